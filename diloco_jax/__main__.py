@@ -1,0 +1,43 @@
+"""The one command line: `python -m diloco_jax <command> [flags]`.
+
+Commands:
+  train     Decoupled DiLoCo: M learners on slices of this process's devices, with the syncer core.
+  baseline  Synchronous data-parallel training of the same model and data, for comparisons.
+  syncer    The gRPC syncer service.
+  learner   One learner process talking to a gRPC syncer.
+  local     A syncer and N learner processes on this machine.
+  sim       Scale simulator and bandwidth planner (goodput, bandwidth).
+  bench     Benchmarks that print figures (step, quality, overhead, transport, wan).
+
+Each command's module exposes `main(argv)`; `python -m diloco_jax <command> --help` lists its flags.
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "diloco_jax.train",
+    "baseline": "diloco_jax.baseline",
+    "syncer": "diloco_jax.syncer.server",
+    "learner": "diloco_jax.learner.process",
+    "local": "diloco_jax.launch_local",
+    "sim": "diloco_jax.sim.cli",
+    "bench": "diloco_jax.bench.cli",
+}
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+    print(__doc__)
+    return 0
+  command = argv[1]
+  if command not in COMMANDS:
+    print(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
+  module = importlib.import_module(COMMANDS[command])
+  return module.main([f"{argv[0]} {command}"] + argv[2:]) or 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,200 @@
+"""The one config system: ml_collections ConfigDicts built by `configs/*.py:get_config()`.
+
+`base_config()` holds every field with its default; config files override what they need. `validate()`
+checks a config before anything compiles and raises `ConfigError` naming the bad field.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from diloco_jax import mesh as mesh_lib
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
+FRAGMENT_PLANS = ("strided", "balanced")
+
+
+class ConfigError(ValueError):
+  """A config field holds a value that cannot work; the message names the field."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 256  # byte-level tokens
+  c.model.d_model = 128
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 4  # < num_heads gives grouped-query attention
+  c.model.head_dim = 32
+  c.model.mlp_dim = 512
+  c.model.max_seq_len = 128
+  c.model.rope_theta = 10_000.0
+  c.model.tie_embeddings = True
+  c.model.dtype = "float32"  # activations; params are always float32
+  c.model.remat = False
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # "" = the embedded corpus (this interpreter's standard library sources)
+  c.data.seq_len = 128
+  c.data.global_batch = 16  # sequences per step over the whole run (all learners together)
+  c.data.eval_fraction = 0.05  # of files, held out for eval (file-level split)
+  c.data.eval_batches = 4
+  c.data.max_bytes = 0  # cap on corpus bytes read (0 = no cap); keeps tests fast
+
+  c.train = ml_collections.ConfigDict()  # the inner optimizer and the loop
+  c.train.steps = 100
+  c.train.lr = 3e-3
+  c.train.warmup_steps = 10
+  c.train.min_lr_ratio = 0.1
+  c.train.weight_decay = 0.1
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.grad_clip = 1.0
+  c.train.log_every = 10
+  c.train.eval_every = 50
+  c.train.checkpoint_every = 0  # 0 = only at the end
+  c.train.keep_checkpoints = 2
+
+  c.mesh = ml_collections.ConfigDict()  # axis sizes of one learner's mesh (or the baseline's); one -1 fill
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.mesh.num_devices = 0  # baseline: devices to use (0 = all)
+
+  c.learners = ml_collections.ConfigDict()
+  c.learners.num = 4  # M
+  c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
+
+  c.outer = ml_collections.ConfigDict()
+  c.outer.num_fragments = 2  # P
+  c.outer.sync_every = 20  # H: inner steps between two syncs of the same fragment
+  c.outer.tau = 2  # overlap: adopt the merged fragment >= tau steps after the snapshot
+  c.outer.alpha = 0.0  # theta <- alpha * theta + (1 - alpha) * global (0 = overwrite)
+  c.outer.lr = 0.7
+  c.outer.momentum = 0.9
+  c.outer.merge = "tokens"
+  c.outer.rda = False
+  c.outer.staleness_beta = 0.0  # late pushes weighted by (1 + staleness) ** -beta
+  c.outer.codec = "int4"
+  c.outer.codec_block = 64
+  c.outer.fragment_plan = "strided"
+  c.outer.min_quorum = 1  # K
+  c.outer.grace_gamma = 0.5
+  c.outer.min_grace_s = 0.0
+  c.outer.max_grace_s = 5.0
+  c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
+  c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+  return c
+
+
+def _fail(field: str, message: str):
+  raise ConfigError(f"config.{field}: {message}")
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, learners: bool = False) -> None:
+  """Check a config; raise ConfigError naming the field. `num_devices`: devices available to the job."""
+  m = c.model
+  for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    if m[f] < 1:
+      _fail(f"model.{f}", f"must be >= 1, got {m[f]}")
+  if m.num_heads % m.num_kv_heads:
+    _fail("model.num_kv_heads", f"must divide model.num_heads ({m.num_heads}), got {m.num_kv_heads}")
+  if m.head_dim % 2:
+    _fail("model.head_dim", f"must be even for rotary positions, got {m.head_dim}")
+  if m.dtype not in ("float32", "bfloat16"):
+    _fail("model.dtype", f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
+  d = c.data
+  if d.seq_len < 2:
+    _fail("data.seq_len", f"must be >= 2, got {d.seq_len}")
+  if d.seq_len > m.max_seq_len:
+    _fail("data.seq_len", f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+  if d.global_batch < 1:
+    _fail("data.global_batch", f"must be >= 1, got {d.global_batch}")
+  if not 0.0 < d.eval_fraction < 1.0:
+    _fail("data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+  t = c.train
+  if t.steps < 1:
+    _fail("train.steps", f"must be >= 1, got {t.steps}")
+  if t.lr <= 0:
+    _fail("train.lr", f"must be > 0, got {t.lr}")
+  if not 0 <= t.warmup_steps <= t.steps:
+    _fail("train.warmup_steps", f"must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
+  if t.log_every < 1 or t.eval_every < 1:
+    _fail("train.log_every" if t.log_every < 1 else "train.eval_every", "must be >= 1")
+  axes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
+  fills = [k for k, v in axes.items() if v == -1]
+  if len(fills) > 1:
+    _fail(f"mesh.{fills[1]}", "only one mesh axis may be -1 (the fill)")
+  for k, v in axes.items():
+    if v == 0 or v < -1:
+      _fail(f"mesh.{k}", f"must be >= 1 or -1 (fill), got {v}")
+  if m.num_kv_heads % max(c.mesh.tensor, 1):
+    _fail("mesh.tensor", f"({c.mesh.tensor}) must divide model.num_kv_heads ({m.num_kv_heads})")
+  o = c.outer
+  if learners:
+    if c.learners.num < 1:
+      _fail("learners.num", f"must be >= 1, got {c.learners.num}")
+    if d.global_batch % c.learners.num:
+      _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num})")
+    if o.num_fragments < 1:
+      _fail("outer.num_fragments", f"must be >= 1, got {o.num_fragments}")
+    if o.sync_every < 1:
+      _fail("outer.sync_every", f"must be >= 1, got {o.sync_every}")
+    if o.num_fragments > o.sync_every:
+      _fail("outer.num_fragments", f"({o.num_fragments}) must be <= outer.sync_every ({o.sync_every}) "
+            "so that fragment offsets are distinct")
+    if o.codec not in CODECS:
+      _fail("outer.codec", f"must be one of {CODECS}, got {o.codec!r}")
+    if o.merge not in MERGE_RULES:
+      _fail("outer.merge", f"must be one of {MERGE_RULES}, got {o.merge!r}")
+    if o.fragment_plan not in FRAGMENT_PLANS:
+      _fail("outer.fragment_plan", f"must be one of {FRAGMENT_PLANS}, got {o.fragment_plan!r}")
+    if not 0.0 <= o.alpha < 1.0:
+      _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
+    if o.min_quorum < 1 or o.min_quorum > c.learners.num:
+      _fail("outer.min_quorum", f"must be in [1, learners.num={c.learners.num}], got {o.min_quorum}")
+    if o.max_in_flight < 1:
+      _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
+    if o.codec_block < 1:
+      _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
+    if c.learners.devices < 1:
+      _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+  if num_devices is not None:
+    want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
+    field = "learners.devices" if learners else "mesh.num_devices"
+    if want > num_devices:
+      _fail(field, f"asks for {want} devices but only {num_devices} exist")
+    mesh_devices = c.learners.devices if learners else want
+    try:
+      sizes = mesh_lib.resolve_axis_sizes(axes, mesh_devices)
+    except ValueError as e:
+      _fail("mesh", str(e))
+    batch_ways = sizes["data"] * sizes["fsdp"]  # the batch is split over data and fsdp
+    per_mesh_batch = d.global_batch // (c.learners.num if learners else 1)
+    if per_mesh_batch % batch_ways:
+      _fail("data.global_batch", f"per-mesh batch {per_mesh_batch} does not divide over the "
+            f"data*fsdp axes ({batch_ways} ways)")
+
+
+# Fields every process of one run must agree on: a learner whose fingerprint differs is refused.
+_FINGERPRINT_FIELDS = ("model", "data.seq_len", "outer.num_fragments", "outer.sync_every", "outer.codec",
+                       "outer.codec_block", "outer.fragment_plan", "learners.num", "seed")
+
+
+def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:
+  """A short hash of the run id and the config fields that must match across a run's processes."""
+  import hashlib
+  import json
+
+  def get(path):
+    node = c
+    for part in path.split("."):
+      node = node[part]
+    return node.to_dict() if isinstance(node, ml_collections.ConfigDict) else node
+
+  blob = json.dumps({"run_id": run_id, **{f: get(f) for f in _FINGERPRINT_FIELDS}}, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
