@@ -1,0 +1,52 @@
+"""Command-line plumbing shared by every command: `--config FILE` with `--config.<field>=<value>`
+overrides (ml_collections config_flags), validated before anything compiles."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from absl import flags
+from ml_collections import config_flags
+
+from diloco_jax import config as config_lib
+
+
+class UsageError(SystemExit):
+  """A bad flag or config field: printed without a traceback, exit status 2."""
+
+  def __init__(self, message: str):
+    print(f"error: {message}", file=sys.stderr)
+    super().__init__(2)
+
+
+def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
+          config_required: bool = True) -> flags.FlagValues:
+  """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
+
+  An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
+  message naming the field.
+  """
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py).",
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  if define_extra:
+    define_extra(fv)
+  try:
+    fv(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
+    raise UsageError(f"bad config override among {overrides}: {detail}") from None
+  if config_required and fv.config is None:
+    raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
+  return fv
+
+
+def validated(config, num_devices: int | None, *, learners: bool):
+  """config_lib.validate with a clean exit instead of a traceback."""
+  try:
+    config_lib.validate(config, num_devices, learners=learners)
+  except config_lib.ConfigError as e:
+    raise UsageError(str(e)) from None
+  return config

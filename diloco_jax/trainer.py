@@ -1,0 +1,126 @@
+"""One model replica training on one mesh: the piece the data-parallel baseline and every Decoupled
+DiLoCo learner share.
+
+`MeshTrainer` owns the sharded train state, its data shard (a grain iterator), the jitted inner and eval
+steps, checkpoints and the step/token counters. The loops around it (`baseline.py`, `learner/loop.py`)
+decide what happens between steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from diloco_jax import checkpoint as checkpoint_lib
+from diloco_jax import data as data_lib
+from diloco_jax import inner
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import model as model_lib
+
+
+class NonFiniteLoss(FloatingPointError):
+  """The loss became NaN or Inf: training stops loudly instead of silently wasting compute."""
+
+
+class MeshTrainer:
+  """Inner training of one replica on `devices`.
+
+  Args:
+    config: the run's ConfigDict.
+    devices: the devices of this replica's mesh (a learner's slice, or all devices for the baseline).
+    workdir: where checkpoints go (`<workdir>/checkpoints`); None disables checkpoints.
+    batch_size: sequences per step for this replica.
+    num_shards / shard_index: this replica's disjoint data shard.
+  """
+
+  def __init__(self, config, devices: Sequence[jax.Device], workdir: str | os.PathLike | None, *,
+               batch_size: int, num_shards: int = 1, shard_index: int = 0):
+    self.config = config
+    self.mesh = mesh_lib.make_mesh(devices, mesh_lib.mesh_axes_from_config(config))
+    self.graphdef, self.state, self.shardings = inner.init_state(config, self.mesh)
+    self.step_fn = inner.make_inner_step(self.graphdef, config.train, self.mesh, self.shardings)
+    self.eval_fn = inner.make_eval_step(self.graphdef, self.mesh, self.shardings.params)
+    self.batch_size = batch_size
+    self.data = data_lib.train_iterator(config.data, batch_size=batch_size, num_shards=num_shards,
+                                        shard_index=shard_index, seed=config.seed)
+    self._eval_batches = None
+    self.step = 0  # host copy of state.step: reading the device copy would stall the dispatch queue
+    self.tokens = 0
+    self.checkpointer = None
+    if workdir is not None:
+      self.checkpointer = checkpoint_lib.TrainCheckpointer(pathlib.Path(workdir) / "checkpoints",
+                                                           keep=config.train.keep_checkpoints)
+    self.last_metrics = None
+
+  @property
+  def num_params(self) -> int:
+    return model_lib.count_params(self.state.params)
+
+  def restore(self) -> bool:
+    """Resume from the latest checkpoint in the workdir, if any. Returns whether one was found."""
+    if self.checkpointer is None:
+      return False
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+    restored = self.checkpointer.restore(abstract)
+    if restored is None:
+      return False
+    self.state, data_state, meta = restored
+    self.data.set_state(data_state)
+    self.step, self.tokens = int(meta["step"]), int(meta["tokens"])
+    self.restored_meta = meta
+    return True
+
+  def save(self, extra_meta: dict | None = None) -> None:
+    if self.checkpointer is not None:
+      meta = {"step": self.step, "tokens": self.tokens, **(extra_meta or {})}
+      self.checkpointer.save(self.step, self.state, self.data.get_state(), meta)
+
+  def train_step(self):
+    """One inner step; returns its metrics as device arrays (not fetched)."""
+    batch = next(self.data)
+    self.state, metrics = self.step_fn(self.state, inner.put_batch(batch["tokens"], self.mesh))
+    self.step += 1
+    self.tokens += data_lib.tokens_in_batch(batch)
+    self.last_metrics = metrics
+    return metrics
+
+  def fetch_metrics(self) -> dict[str, float]:
+    """Brings the latest step's metrics to the host (a sync point: call at log intervals only) and fails
+    loudly on a non-finite loss."""
+    metrics = {k: float(v) for k, v in jax.device_get(self.last_metrics).items()}
+    if not math.isfinite(metrics["loss"]):
+      raise NonFiniteLoss(f"loss is {metrics['loss']} at step {self.step}; lower train.lr or check the data")
+    return metrics
+
+  def evaluate(self, params=None) -> float:
+    """Mean loss over the held-out eval batches (the same batches every time)."""
+    if self._eval_batches is None:
+      host = data_lib.eval_batches(self.config.data, batch_size=self.batch_size,
+                                   num_batches=self.config.data.eval_batches)
+      self._eval_batches = [inner.put_batch(b["tokens"], self.mesh) for b in host]
+    params = self.state.params if params is None else params
+    losses = [self.eval_fn(params, b) for b in self._eval_batches]
+    return float(np.mean(jax.device_get(losses)))
+
+  def close(self) -> None:
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+
+
+class RateMeter:
+  """Tokens per second between two reads (wall clock)."""
+
+  def __init__(self, tokens: int = 0):
+    self._t, self._tokens = time.perf_counter(), tokens
+
+  def read(self, tokens: int) -> float:
+    now = time.perf_counter()
+    rate = (tokens - self._tokens) / max(now - self._t, 1e-9)
+    self._t, self._tokens = now, tokens
+    return rate
