@@ -1,0 +1,157 @@
+"""Flat float32 vectors <-> bytes: fp32, bf16, and block-quantized int8 / int4, with checksums.
+
+Formats (all little-endian; `n` elements, `block` elements per block, `nb = ceil(n / block)` blocks):
+
+* `fp32`: the raw float32 values, 4n bytes. Exact.
+* `bf16`: the top 16 bits of each float32 after round-to-nearest-even, 2n bytes. Relative error
+  |err| <= 2^-8 |x| for normal values (half a unit in the last place of an 8-bit significand); values
+  below the float32 normal range (|x| < 2^-126) have an absolute error <= 2^-134; values within half a
+  bf16 ulp of the float32 maximum round to +-inf.
+* `int8`: symmetric absmax quantization per block. `scale = absmax(block) / 127`,
+  `q = round(x / scale)` in [-127, 127]. Payload: nb * block int8 codes (the last block zero-padded), then
+  nb float32 scales. |err| <= scale / 2 per element (up to float32 rounding, a relative 2^-12 slack).
+* `int4`: the same with `scale = absmax(block) / 7` and q in [-7, 7], stored as the nibble q + 8, two per
+  byte (element 2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of
+  codes, then nb float32 scales. |err| <= scale / 2 per element (same slack).
+
+A block of zeros has scale 0 and decodes to exact zeros. Non-finite inputs are not rejected here: with the
+quantized formats they poison their block's scale and decode as NaN, so the receiver's finiteness check
+(the syncer's "nonfinite" rejection) catches them in every format.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+_QMAX = {"int8": 127, "int4": 7}
+# Float32 rounding in x * (qmax / absmax) and q * scale moves the result by a few ulps; the bound allows it.
+_ROUNDING_SLACK = 2.0**-12
+
+
+class CodecError(ValueError):
+  """A payload or codec name that cannot be decoded (unknown codec, wrong length)."""
+
+
+def _check(codec: str, block: int) -> None:
+  if codec not in CODECS:
+    raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
+  if codec in _QMAX and block < 1:
+    raise CodecError(f"codec block must be >= 1, got {block}")
+
+
+def _num_blocks(size: int, block: int) -> int:
+  return -(-size // block)
+
+
+def encoded_size(size: int, codec: str, block: int = 64) -> int:
+  """Bytes of the payload that encodes `size` elements with `codec`."""
+  _check(codec, block)
+  if codec == "fp32":
+    return 4 * size
+  if codec == "bf16":
+    return 2 * size
+  nb = _num_blocks(size, block)
+  codes = nb * block if codec == "int8" else -(-nb * block // 2)
+  return codes + 4 * nb
+
+
+def _blocks(vec: np.ndarray, block: int) -> np.ndarray:
+  """`vec` zero-padded to whole blocks, shape [nb, block]."""
+  nb = _num_blocks(vec.size, block)
+  if nb * block == vec.size:
+    return vec.reshape(nb, block)
+  padded = np.zeros(nb * block, np.float32)
+  padded[:vec.size] = vec
+  return padded.reshape(nb, block)
+
+
+def _quantize(vec: np.ndarray, codec: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+  """Codes q (int8, [nb, block]) and scales (float32, [nb]) of the block absmax quantization."""
+  qmax = _QMAX[codec]
+  blocks = _blocks(vec, block)
+  absmax = np.max(np.abs(blocks), axis=1)
+  scales = (absmax / np.float32(qmax)).astype(np.float32)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    inv = np.where(absmax > 0, np.float32(qmax) / absmax, np.float32(0)).astype(np.float32)
+    q = blocks * inv[:, None]
+    np.rint(q, out=q)
+    np.clip(q, -qmax, qmax, out=q)
+    codes = q.astype(np.int8)  # NaN codes are garbage, but their block's scale is NaN too.
+  return codes, scales
+
+
+def encode(vec: np.ndarray, codec: str, block: int = 64) -> bytes:
+  """`vec` (any shape, read as flat float32) as the payload bytes of `codec` (see the module docstring)."""
+  _check(codec, block)
+  vec = np.ascontiguousarray(vec, dtype=np.float32).reshape(-1)
+  if codec == "fp32":
+    return vec.astype("<f4", copy=False).tobytes()
+  if codec == "bf16":
+    bits = vec.view(np.uint32)
+    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate (in place).
+    rounded = bits >> 16
+    rounded &= np.uint32(1)
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    rounded >>= 16
+    top = rounded.astype("<u2")
+    nan = np.isnan(vec)
+    if nan.any():  # Rounding could carry a NaN's payload into the exponent and make it inf or zero.
+      top[nan] = 0x7FC0
+    return top.tobytes()
+  codes, scales = _quantize(vec, codec, block)
+  if codec == "int8":
+    data = codes.tobytes()
+  else:
+    nibbles = (codes.reshape(-1) + 8).astype(np.uint8)
+    if nibbles.size % 2:
+      nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+    data = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+  return data + scales.astype("<f4").tobytes()
+
+
+def decode(payload: bytes, codec: str, size: int, block: int = 64) -> np.ndarray:
+  """The float32[size] vector that `payload` encodes. CodecError if its length does not match."""
+  expected = encoded_size(size, codec, block)
+  if len(payload) != expected:
+    raise CodecError(f"{codec} payload for {size} elements (block {block}) must be {expected} bytes, "
+                     f"got {len(payload)}")
+  if codec == "fp32":
+    return np.frombuffer(payload, "<f4").astype(np.float32)  # a writable copy
+  if codec == "bf16":
+    return (np.frombuffer(payload, "<u2").astype(np.uint32) << 16).view(np.float32)
+  nb = _num_blocks(size, block)
+  scales = np.frombuffer(payload, "<f4", count=nb, offset=expected - 4 * nb).astype(np.float32)
+  if codec == "int8":
+    q = np.frombuffer(payload, np.int8, count=nb * block).astype(np.float32)
+  else:
+    packed = np.frombuffer(payload, np.uint8, count=expected - 4 * nb)
+    nibbles = np.empty(2 * packed.size, np.int8)
+    nibbles[0::2] = packed & 0x0F
+    nibbles[1::2] = packed >> 4
+    q = nibbles[:nb * block].astype(np.float32)
+    q -= 8
+  q = q.reshape(nb, block)
+  q *= scales[:, None]
+  return q.reshape(-1)[:size].copy() if nb * block != size else q.reshape(-1)
+
+
+def checksum(payload: bytes) -> int:
+  """CRC-32 of the payload, as an unsigned int."""
+  return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def error_bound(vec: np.ndarray, codec: str, block: int = 64) -> np.ndarray:
+  """The documented per-element bound on |decode(encode(vec)) - vec| (float64, shape [vec.size])."""
+  _check(codec, block)
+  vec = np.asarray(vec, np.float32).reshape(-1)
+  if codec == "fp32":
+    return np.zeros(vec.size)
+  if codec == "bf16":
+    return np.maximum(np.abs(vec.astype(np.float64)) * 2.0**-8, 2.0**-134)
+  absmax = np.max(np.abs(_blocks(vec, block).astype(np.float64)), axis=1)
+  half_scale = absmax / _QMAX[codec] / 2 * (1 + _ROUNDING_SLACK)
+  return np.repeat(half_scale, block)[:vec.size]

@@ -1,0 +1,502 @@
+"""The syncer's state machine: membership, per-fragment rounds, merges and outer steps. No transport.
+
+One `SyncerCore` serves all learners of a run. Transports (`diloco_jax.transport.InProcessTransport`, the
+gRPC server) call `join`, `heartbeat`, `push`, `pull`, and something calls `tick` at `next_deadline()`
+(`transport.Ticker`; `push`, `heartbeat` and a blocking `pull` tick too). The clock is injectable, so the
+whole policy can be tested with a fake clock and no sleeps.
+
+Membership. A learner joins with the run's fingerprint (another fingerprint is refused) and holds a lease
+of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
+not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
+until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+
+Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
+`effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
+after the opening); it then stays open for `grace_window_s(policy, step_time, t_quorum, t_sync)` seconds,
+where step_time is `estimate_step_time` of the live learners' reported step times and t_sync a running
+average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
+early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
+Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
+(1 + s)^-beta), merge (`outer.merge`, optionally RDA), Nesterov outer step, version += 1, the new global
+fragment encoded once with the downlink codec, and waiting pulls are woken. A contribution that arrives
+after its round's deadline goes into the next round (never lost); one based on an older version ("late")
+is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
+contributions merged (quorum counts it once).
+
+Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
+one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
+changes nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from diloco_jax import codec as codec_lib
+from diloco_jax import outer
+from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
+
+REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
+           "checksum", "metadata", "nonfinite", "future_version")
+_T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
+
+
+class Rejected(Exception):
+  """A request the syncer refuses. `reason` is one of `REASONS` (pushes) and the message says why."""
+
+  def __init__(self, reason: str, message: str):
+    super().__init__(f"{reason}: {message}")
+    self.reason = reason
+    self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+  """A learner's outer gradient for one fragment. `payload` encodes delta = base - local with `codec`."""
+
+  learner_id: int
+  fingerprint: str
+  fragment: int
+  base_version: int  # the version of the global fragment the learner's base is
+  steps: int  # inner steps since that fragment's last sync
+  tokens: int  # tokens over those steps
+  codec: str
+  payload: bytes
+  checksum: int  # codec.checksum(payload)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReceipt:
+  fragment: int
+  round: int  # the round of the fragment this contribution went into
+  late: bool  # base_version < the fragment's version when the push arrived
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`."""
+
+  fragment: int
+  version: int
+  codec: str
+  payload: bytes
+  checksum: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncerSettings:
+  """Everything the core needs, fixed for a run."""
+
+  num_fragments: int
+  sizes: tuple[int, ...]  # elements per fragment
+  codec: str = "fp32"  # uplink (pushes)
+  downlink_codec: str = "fp32"  # published global fragments
+  block: int = 64
+  merge_rule: str = "tokens"
+  rda: bool = False
+  staleness_beta: float = 0.0
+  outer_lr: float = 0.7
+  outer_momentum: float = 0.9
+  policy: QuorumPolicy = QuorumPolicy()
+  lease_s: float = 30.0
+  fingerprint: str = ""
+
+  def __post_init__(self):
+    if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
+      raise ValueError(f"outer.num_fragments ({self.num_fragments}) must be >= 1 and match the "
+                       f"{len(self.sizes)} fragment sizes")
+    if any(s < 1 for s in self.sizes):
+      raise ValueError(f"fragment sizes must be >= 1, got {self.sizes}")
+    for field, name in (("outer.codec", self.codec), ("outer.downlink_codec", self.downlink_codec)):
+      if name not in codec_lib.CODECS:
+        raise ValueError(f"{field} must be one of {codec_lib.CODECS}, got {name!r}")
+    if self.block < 1:
+      raise ValueError(f"outer.codec_block must be >= 1, got {self.block}")
+    if self.merge_rule not in outer.MERGE_RULES:
+      raise ValueError(f"outer.merge must be one of {outer.MERGE_RULES}, got {self.merge_rule!r}")
+    if self.staleness_beta < 0:
+      raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
+    if self.lease_s <= 0:
+      raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+
+  @classmethod
+  def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
+    """Settings from `config.outer` and a `fragments.FragmentPlan`."""
+    o = config.outer
+    return cls(
+        num_fragments=plan.num_fragments,
+        sizes=tuple(plan.size(p) for p in range(plan.num_fragments)),
+        codec=o.codec,
+        downlink_codec=o.get("downlink_codec", o.codec),
+        block=o.codec_block,
+        merge_rule=o.merge,
+        rda=bool(o.rda),
+        staleness_beta=float(o.staleness_beta),
+        outer_lr=float(o.lr),
+        outer_momentum=float(o.momentum),
+        policy=QuorumPolicy(min_quorum=o.min_quorum, tau=o.tau, gamma=o.grace_gamma,
+                            min_grace_s=o.min_grace_s, max_grace_s=o.max_grace_s),
+        lease_s=float(o.lease_s),
+        fingerprint=fingerprint,
+    )
+
+
+@dataclasses.dataclass
+class _Member:
+  lease_until: float
+  step_time_s: float = 0.0
+  left: bool = False
+  expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
+
+  def live(self, now: float) -> bool:
+    return not self.left and now <= self.lease_until
+
+
+@dataclasses.dataclass
+class _Contribution:
+  learner_id: int
+  base_version: int
+  steps: int
+  tokens: int
+  delta: np.ndarray
+  arrived: float
+
+
+@dataclasses.dataclass
+class _Round:
+  opened: float
+  contributions: list[_Contribution] = dataclasses.field(default_factory=list)
+  deadline: float | None = None  # fixed once the quorum is reached
+
+  def contributors(self) -> list[int]:
+    """Distinct contributing learners, in order of first arrival."""
+    return list(dict.fromkeys(c.learner_id for c in self.contributions))
+
+
+def _new_counters() -> dict[str, Any]:
+  return {
+      "rounds": 0,
+      "contributions_merged": 0,
+      "contributions_late": 0,
+      "contributions_rejected": 0,
+      "rejected": {r: 0 for r in REASONS},
+      "tokens_merged": 0,
+      "bytes_in": 0,
+      "bytes_out": 0,
+      "joins": 0,
+      "leaves": 0,
+      "leases_expired": 0,
+  }
+
+
+class SyncerCore:
+  """The transport-free syncer; thread-safe. See the module docstring for the rules."""
+
+  def __init__(
+      self,
+      settings: SyncerSettings,
+      initial_fragments: Sequence[np.ndarray],
+      clock: Callable[[], float] = time.monotonic,
+  ):
+    if len(initial_fragments) != settings.num_fragments:
+      raise ValueError(f"got {len(initial_fragments)} initial fragments for outer.num_fragments="
+                       f"{settings.num_fragments}")
+    self.settings = settings
+    self.clock = clock
+    self._lock = threading.Lock()
+    self._cond = threading.Condition(self._lock)
+    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
+    self._globals: list[np.ndarray] = []
+    for p, frag in enumerate(initial_fragments):
+      frag = np.array(frag, np.float32).reshape(-1)
+      if frag.size != settings.sizes[p]:
+        raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
+      self._globals.append(frag)
+    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
+    self._versions = [0] * settings.num_fragments
+    self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
+    self._open: list[_Round | None] = [None] * settings.num_fragments
+    self._t_sync = [0.0] * settings.num_fragments
+    self._members: dict[int, _Member] = {}
+    self.counters = _new_counters()
+    self._published = [self._publish(p) for p in range(settings.num_fragments)]
+
+  # ---- membership ----
+
+  def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
+    """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
+    with self._lock:
+      if fingerprint != self.settings.fingerprint:
+        raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
+                       f"syncer serves {self.settings.fingerprint!r} (different run or config)")
+      now = self.clock()
+      old = self._members.get(learner_id)
+      self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
+                                          step_time_s=old.step_time_s if old else 0.0)
+      self.counters["joins"] += 1
+      return dict(enumerate(self._versions))
+
+  def leave(self, learner_id: int) -> None:
+    """The learner stops counting toward quorums at once; its pushes already in still merge."""
+    with self._lock:
+      member = self._members.get(learner_id)
+      if member is not None and not member.left:
+        member.left = True
+        self.counters["leaves"] += 1
+      self._tick_locked()
+
+  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate."""
+    with self._lock:
+      member = self._members.get(learner_id)
+      if member is None:
+        raise Rejected("unknown_learner", f"learner {learner_id} never joined this syncer")
+      if member.left:
+        raise Rejected("not_member", f"learner {learner_id} left; join again")
+      member.lease_until = self.clock() + self.settings.lease_s
+      member.expiry_counted = False
+      if step_time_s > 0:
+        member.step_time_s = float(step_time_s)
+      self._tick_locked()
+
+  def live_learners(self) -> list[int]:
+    with self._lock:
+      return self._live(self.clock())
+
+  def _live(self, now: float) -> list[int]:
+    return sorted(i for i, m in self._members.items() if m.live(now))
+
+  # ---- pushes ----
+
+  def _reject(self, reason: str, message: str) -> Rejected:
+    # Called with the lock held; the counters are the only state a rejection changes.
+    self.counters["rejected"][reason] += 1
+    self.counters["contributions_rejected"] += 1
+    return Rejected(reason, message)
+
+  def _validate_locked(self, push: Push) -> None:
+    s = self.settings
+    member = self._members.get(push.learner_id)
+    if member is None:
+      raise self._reject("unknown_learner", f"learner {push.learner_id} never joined this syncer")
+    if push.fingerprint != s.fingerprint:
+      raise self._reject("fingerprint", f"push fingerprint {push.fingerprint!r} != run {s.fingerprint!r}")
+    if not member.live(self.clock()):
+      why = "left" if member.left else "lease expired (heartbeat to renew)"
+      raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
+    if not 0 <= push.fragment < s.num_fragments:
+      raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
+    if push.codec != s.codec:
+      raise self._reject("codec", f"push codec {push.codec!r}, this run uses {s.codec!r}")
+    want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
+    if len(push.payload) != want:
+      raise self._reject("shape", f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a "
+                         f"{want}-byte {s.codec} payload, got {len(push.payload)} bytes")
+    if push.steps < 0 or push.tokens < 0 or push.base_version < 0:
+      raise self._reject("metadata", f"steps ({push.steps}), tokens ({push.tokens}) and base_version "
+                         f"({push.base_version}) must be >= 0")
+    if push.base_version > self._versions[push.fragment]:
+      raise self._reject("future_version", f"base_version {push.base_version} is ahead of fragment "
+                         f"{push.fragment}'s version {self._versions[push.fragment]}")
+
+  def push(self, push: Push) -> PushReceipt:
+    """Accept one contribution into its fragment's open round (or raise Rejected), then tick."""
+    s = self.settings
+    with self._lock:
+      self._validate_locked(push)
+    # Checksum and decode outside the lock: they are the expensive part and need no state.
+    problem = None
+    if codec_lib.checksum(push.payload) != push.checksum:
+      problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
+                 f"{push.checksum:#010x}")
+    else:
+      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not np.isfinite(delta).all():
+        problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
+    with self._lock:
+      if problem is not None:
+        raise self._reject(*problem)
+      # Close whatever is due first: a push after a round's deadline belongs to the next round.
+      self._tick_locked()
+      now = self.clock()
+      p = push.fragment
+      late = push.base_version < self._versions[p]
+      if self._open[p] is None:
+        self._open[p] = _Round(opened=now)
+      self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
+                                                       push.tokens, delta, now))
+      self.counters["bytes_in"] += len(push.payload)
+      self.counters["contributions_late"] += int(late)
+      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late)
+      self._tick_locked()
+      return receipt
+
+  # ---- rounds ----
+
+  def tick(self) -> list[int]:
+    """Note lapsed leases and close every round whose time has come; returns the fragments committed."""
+    with self._lock:
+      return self._tick_locked()
+
+  def _step_time(self, now: float) -> float:
+    return estimate_step_time([self._members[i].step_time_s for i in self._live(now)])
+
+  def _tick_locked(self) -> list[int]:
+    now = self.clock()
+    for m in self._members.values():
+      if not m.left and not m.live(now) and not m.expiry_counted:
+        m.expiry_counted = True
+        self.counters["leases_expired"] += 1
+    live = set(self._live(now))
+    committed = []
+    for p, rnd in enumerate(self._open):
+      if rnd is None:
+        continue
+      contributors = rnd.contributors()
+      if rnd.deadline is None:
+        k = effective_quorum(self.settings.policy, len(live))
+        if len(contributors) >= k:
+          quorum_at = next(c.arrived for c in rnd.contributions if c.learner_id == contributors[k - 1])
+          grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
+                                 self._t_sync[p])
+          rnd.deadline = quorum_at + grace
+      if rnd.deadline is None:
+        continue
+      if now >= rnd.deadline or live <= set(contributors):
+        self._close_locked(p)
+        committed.append(p)
+    if committed:
+      self._cond.notify_all()
+    return committed
+
+  def _close_locked(self, p: int) -> None:
+    s = self.settings
+    rnd = self._open[p]
+    self._open[p] = None
+    started = self.clock()
+    cs = rnd.contributions
+    weights = outer.merge_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule,
+                                  staleness=[self._versions[p] - c.base_version for c in cs],
+                                  beta=s.staleness_beta)
+    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
+                                                             merged)
+    self._versions[p] += 1
+    self._rounds[p] += 1
+    self._published[p] = self._publish(p)
+    took = self.clock() - started
+    first = self._t_sync[p] == 0.0
+    self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
+    self.counters["rounds"] += 1
+    self.counters["contributions_merged"] += len(cs)
+    self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+
+  def _publish(self, p: int) -> Published:
+    s = self.settings
+    payload = codec_lib.encode(self._globals[p], s.downlink_codec, s.block)
+    return Published(fragment=p, version=self._versions[p], codec=s.downlink_codec, payload=payload,
+                     checksum=codec_lib.checksum(payload))
+
+  def next_deadline(self) -> float | None:
+    """When `tick` should next run (clock time), or None if no round is open. Before a round's quorum,
+    that is the next lease expiry (a lapse can lower the effective quorum or complete 'everyone live')."""
+    with self._lock:
+      return self._next_deadline_locked()
+
+  def _next_deadline_locked(self) -> float | None:
+    now = self.clock()
+    times = [r.deadline for r in self._open if r is not None and r.deadline is not None]
+    if any(r is not None and r.deadline is None for r in self._open):
+      times += [m.lease_until for m in self._members.values() if m.live(now)]
+    return min(times) if times else None
+
+  # ---- pulls ----
+
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0) -> Published | None:
+    """The global fragment once its version >= min_version, waiting up to `timeout_s` real seconds
+    (ticking at round deadlines meanwhile); None on timeout."""
+    if not 0 <= fragment < self.settings.num_fragments:
+      raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
+    give_up = time.monotonic() + max(timeout_s, 0.0)
+    with self._lock:
+      while True:
+        self._tick_locked()
+        if self._versions[fragment] >= min_version:
+          published = self._published[fragment]
+          self.counters["bytes_out"] += len(published.payload)
+          return published
+        remaining = give_up - time.monotonic()
+        if remaining <= 0:
+          return None
+        deadline = self._next_deadline_locked()
+        if deadline is not None:
+          remaining = min(remaining, max(deadline - self.clock(), 0.001))
+        self._cond.wait(remaining)
+
+  # ---- introspection and checkpoints ----
+
+  def status(self) -> dict:
+    """Members, versions, open rounds and counters, as plain JSON-able values."""
+    with self._lock:
+      now = self.clock()
+      return {
+          "fingerprint": self.settings.fingerprint,
+          "live": self._live(now),
+          "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
+                               "lease_left_s": max(m.lease_until - now, 0.0)}
+                      for i, m in sorted(self._members.items())},
+          "versions": list(self._versions),
+          "rounds": list(self._rounds),
+          "open_rounds": {str(p): {"contributors": r.contributors(), "contributions": len(r.contributions),
+                                   "deadline_in_s": None if r.deadline is None else r.deadline - now}
+                          for p, r in enumerate(self._open) if r is not None},
+          "step_time_s": self._step_time(now),
+          "t_sync_s": list(self._t_sync),
+          "counters": copy.deepcopy(self.counters),
+      }
+
+  def state_dict(self) -> dict:
+    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
+    numbers and counters (copies). Not included: membership (learners rejoin after a restart) and the
+    contributions of open rounds, which are dropped; their learners' next pushes carry that progress on
+    (their deltas are measured from their base), so only the steps in dropped pushes are lost."""
+    with self._lock:
+      return {
+          "fragments": [g.copy() for g in self._globals],
+          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "versions": list(self._versions),
+          "rounds": list(self._rounds),
+          "t_sync": list(self._t_sync),
+          "counters": copy.deepcopy(self.counters),
+          "fingerprint": self.settings.fingerprint,
+      }
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept."""
+    s = self.settings
+    if state.get("fingerprint", s.fingerprint) != s.fingerprint:
+      raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
+    fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
+    if [f.size for f in fragments] != list(s.sizes):
+      raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
+    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    with self._lock:
+      self._globals = fragments
+      self._opt_states = opt_states
+      self._versions = [int(v) for v in state["versions"]]
+      self._rounds = [int(r) for r in state["rounds"]]
+      self._t_sync = [float(t) for t in state.get("t_sync", [0.0] * s.num_fragments)]
+      counters = _new_counters()
+      for k, v in state["counters"].items():
+        counters[k] = {r: int(n) for r, n in v.items()} if k == "rejected" else v
+      counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
+      self.counters = counters
+      self._open = [None] * s.num_fragments
+      self._published = [self._publish(p) for p in range(s.num_fragments)]
+      self._cond.notify_all()

@@ -1,0 +1,115 @@
+"""Fragment plans: every leaf exactly once, gather/scatter inverse, staggered schedule."""
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import fragments
+
+
+def fake_params(num_layers=6, d=8, vocab=16, lm_head=False):
+  rng = np.random.default_rng(0)
+  arr = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  params = {
+      "embed": {"embedding": arr(vocab, d)},
+      "layers": {
+          i: {
+              "attn": {"q": {"kernel": arr(d, d)}, "k": {"kernel": arr(d, d)}, "o": {"kernel": arr(d, d)}},
+              "mlp": {"up": {"kernel": arr(d, 2 * d)}, "down": {"kernel": arr(2 * d, d)}},
+              "norm": {"scale": arr(d)},
+          } for i in range(num_layers)
+      },
+      "final_norm": {"scale": arr(d)},
+  }
+  if lm_head:
+    params["lm_head"] = {"kernel": arr(d, vocab)}
+  return params
+
+
+@pytest.mark.parametrize("kind", ["strided", "balanced"])
+@pytest.mark.parametrize("num_fragments", [1, 2, 3, 4])
+def test_every_leaf_exactly_once_and_roundtrip(kind, num_fragments):
+  params = fake_params()
+  plan = fragments.make_plan(params, num_fragments, sync_every=12, kind=kind)
+  all_paths = [path for ps in plan.paths for path in ps]
+  assert sorted(all_paths) == fragments.leaf_paths(params)
+  assert len(set(all_paths)) == len(all_paths)
+  assert all(len(ps) > 0 for ps in plan.paths)
+  flat = fragments.flatten(params)
+  for p in range(num_fragments):
+    assert list(plan.paths[p]) == sorted(plan.paths[p])
+    vec = fragments.gather(plan, params, p)
+    assert vec.dtype == np.float32 and vec.shape == (plan.size(p),)
+    back = fragments.scatter(plan, p, vec)
+    assert set(back) == set(plan.paths[p])
+    for path, arr in back.items():
+      np.testing.assert_array_equal(arr, flat[path])
+  # A layer's leaves never straddle fragments.
+  for i in range(6):
+    owners = {plan.fragment_of(path) for path in all_paths if path.startswith(f"layers/{i}/")}
+    assert len(owners) == 1
+
+
+def test_strided_assignment():
+  plan = fragments.make_plan(fake_params(lm_head=True), 4, sync_every=8, kind="strided")
+  assert plan.fragment_of("embed/embedding") == 0
+  assert plan.fragment_of("final_norm/scale") == 3
+  assert plan.fragment_of("lm_head/kernel") == 3
+  for i in range(6):
+    assert plan.fragment_of(f"layers/{i}/attn/q/kernel") == i % 4
+
+
+def test_balanced_evens_bytes():
+  # A big embedding: strided puts it with layers 0 and 2; balanced gives it its own fragment.
+  params = fake_params(num_layers=4, vocab=512)
+  plan = fragments.make_plan(params, 2, sync_every=8, kind="balanced")
+  assert plan.paths[0] == ("embed/embedding",)
+  sizes = [plan.size(p) for p in range(2)]
+  strided = fragments.make_plan(params, 2, sync_every=8, kind="strided")
+  strided_sizes = [strided.size(p) for p in range(2)]
+  assert max(sizes) - min(sizes) < max(strided_sizes) - min(strided_sizes)
+
+
+def test_abstract_params_and_jax_arrays():
+  params = fake_params()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  assert fragments.make_plan(abstract, 3, 9) == fragments.make_plan(params, 3, 9)
+  plan = fragments.make_plan(params, 2, 4)
+  on_device = jax.tree.map(jax.numpy.asarray, params)
+  np.testing.assert_array_equal(fragments.gather(plan, on_device, 1), fragments.gather(plan, params, 1))
+
+
+def test_too_many_fragments_raise():
+  with pytest.raises(ValueError, match="outer.num_fragments"):
+    fragments.make_plan(fake_params(num_layers=2), 4, 8, kind="strided")  # fragment 2 would be empty
+  with pytest.raises(ValueError, match="outer.num_fragments"):
+    fragments.make_plan(fake_params(num_layers=6), 9, 12, kind="balanced")  # 8 groups
+  with pytest.raises(ValueError, match="outer.num_fragments"):
+    fragments.make_plan(fake_params(), 5, 4)  # P > H
+
+
+@pytest.mark.parametrize("num_fragments,sync_every", [(1, 5), (2, 8), (3, 10), (4, 4), (4, 13)])
+def test_due_each_fragment_once_per_period(num_fragments, sync_every):
+  plan = fragments.make_plan(fake_params(), num_fragments, sync_every)
+  assert plan.offsets == tuple(round(p * sync_every / num_fragments) for p in range(num_fragments))
+  assert len(set(plan.offsets)) == num_fragments and all(0 <= o < sync_every for o in plan.offsets)
+  assert fragments.due_fragments(plan, 0) == []
+  for start in (1, 1 + sync_every, 7 * sync_every + 3):
+    seen = []
+    for step in range(start, start + sync_every):
+      due = fragments.due_fragments(plan, step)
+      seen += due
+      for p in due:
+        assert step % sync_every == plan.offsets[p]
+    assert sorted(seen) == list(range(num_fragments))
+
+
+def test_scatter_rejects_wrong_size_and_replace_leaves():
+  params = fake_params()
+  plan = fragments.make_plan(params, 2, 4)
+  with pytest.raises(ValueError):
+    fragments.scatter(plan, 0, np.zeros(plan.size(0) + 1, np.float32))
+  vec = fragments.gather(plan, params, 1) + 1.0
+  new = fragments.replace_leaves(params, fragments.scatter(plan, 1, vec))
+  np.testing.assert_array_equal(fragments.gather(plan, new, 1), vec)
+  np.testing.assert_array_equal(fragments.gather(plan, new, 0), fragments.gather(plan, params, 0))

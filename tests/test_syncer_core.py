@@ -1,0 +1,363 @@
+"""The syncer core with a fake clock: quorum and grace, rejections, leases, checkpoints, transports."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import codec, outer
+from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer.policy import QuorumPolicy, grace_window_s
+from diloco_jax.transport import InProcessTransport, Ticker, Transport
+
+FP = "run-fp"
+
+
+class FakeClock:
+
+  def __init__(self, t=0.0):
+    self.t = t
+
+  def __call__(self):
+    return self.t
+
+
+def make_core(num_learners=3, sizes=(8,), k=1, clock=None, lr=1.0, momentum=0.0, codec_name="fp32",
+              lease_s=100.0, step_time=10.0, staleness_beta=0.0, **policy):
+  settings = core_lib.SyncerSettings(
+      num_fragments=len(sizes), sizes=tuple(sizes), codec=codec_name, downlink_codec="fp32", block=4,
+      merge_rule="tokens", outer_lr=lr, outer_momentum=momentum, staleness_beta=staleness_beta,
+      policy=QuorumPolicy(min_quorum=k, **policy), lease_s=lease_s, fingerprint=FP)
+  clock = clock or FakeClock()
+  initial = [np.arange(n, dtype=np.float32) / 8 for n in sizes]
+  c = core_lib.SyncerCore(settings, initial, clock=clock)
+  for i in range(num_learners):
+    c.join(i, FP)
+    c.heartbeat(i, step_time)
+  return c, clock
+
+
+def make_push(learner, delta, fragment=0, base_version=0, steps=10, tokens=100, codec_name="fp32", **kw):
+  payload = codec.encode(np.asarray(delta, np.float32), codec_name, 4)
+  fields = dict(learner_id=learner, fingerprint=FP, fragment=fragment, base_version=base_version,
+                steps=steps, tokens=tokens, codec=codec_name, payload=payload,
+                checksum=codec.checksum(payload))
+  fields.update(kw)
+  return core_lib.Push(**fields)
+
+
+def global_of(c, p=0):
+  return c.state_dict()["fragments"][p]
+
+
+def test_quorum_grace_straggler_late_and_everyone_in():
+  # K=2 of 4 live learners; lr 1, momentum 0: new global = old global - merged delta.
+  c, clock = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0)
+  deltas = {i: np.full(8, float(i + 1), np.float32) for i in range(4)}
+  g0 = global_of(c)
+  clock.t = 1.0
+  r = c.push(make_push(0, deltas[0], tokens=100))
+  assert r == core_lib.PushReceipt(fragment=0, round=0, late=False)
+  for t in (1.0, 1.2):  # one contribution: never commits, whatever the time (within the lease)
+    clock.t = t
+    assert c.tick() == []
+  assert c.status()["versions"] == [0]
+  clock.t = 1.5
+  c.push(make_push(1, deltas[1], tokens=300))  # quorum: the grace window opens
+  deadline = 1.5 + grace_window_s(c.settings.policy, 10.0, 0.5, 0.0)
+  assert deadline == pytest.approx(1.5 + 0.5 * (2 * 10.0 - 0.5))
+  assert c.next_deadline() == pytest.approx(deadline)
+  assert c.status()["versions"] == [0]
+  clock.t = 5.0
+  c.push(make_push(2, deltas[2], tokens=600))  # a straggler inside the window
+  clock.t = deadline - 1e-6
+  assert c.tick() == []
+  clock.t = deadline
+  assert c.tick() == [0]
+  w = np.array([100, 300, 600]) / 1000
+  expected = g0 - (w[0] * deltas[0] + w[1] * deltas[1] + w[2] * deltas[2])
+  np.testing.assert_allclose(global_of(c), expected, rtol=1e-6)
+  assert c.status()["versions"] == [1]
+  assert c.counters["contributions_merged"] == 3 and c.counters["tokens_merged"] == 1000
+
+  # Learner 3 pushes after round 0's deadline: it goes into round 1, as a late contribution.
+  c2, clock2 = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0)
+  clock2.t = 1.0
+  c2.push(make_push(0, deltas[0], tokens=100))
+  clock2.t = 1.5
+  c2.push(make_push(1, deltas[1], tokens=300))
+  clock2.t = 1.5 + 0.5 * (2 * 10.0 - 0.5) + 0.1  # past the deadline, and nobody ticked
+  r = c2.push(make_push(3, deltas[3], tokens=200, base_version=0))
+  assert r.round == 1 and r.late
+  assert c2.status()["versions"] == [1]
+  w01 = np.array([100, 300]) / 400
+  np.testing.assert_allclose(global_of(c2), g0 - (w01[0] * deltas[0] + w01[1] * deltas[1]), rtol=1e-6)
+  # Everyone live contributes to round 1: it closes at once, no grace wait; learner 3's delta is in.
+  g1 = global_of(c2)
+  c2.push(make_push(0, deltas[0], tokens=100, base_version=1))
+  c2.push(make_push(1, deltas[1], tokens=100, base_version=1))
+  assert c2.status()["versions"] == [1]  # quorum reached, 2 live learners not in yet
+  r = c2.push(make_push(2, deltas[2], tokens=100, base_version=1))
+  assert r.round == 1 and not r.late
+  assert c2.status()["versions"] == [2]
+  w = np.array([200, 100, 100, 100]) / 500  # staleness_beta 0: no discount
+  expected = g1 - (w[0] * deltas[3] + w[1] * deltas[0] + w[2] * deltas[1] + w[3] * deltas[2])
+  np.testing.assert_allclose(global_of(c2), expected, rtol=1e-6)
+  assert c2.counters["contributions_late"] == 1 and c2.counters["contributions_merged"] == 6
+
+
+def test_staleness_discount_applied():
+  c, clock = make_core(num_learners=2, k=2, max_grace_s=0.0, staleness_beta=1.0)
+  d = np.ones(8, np.float32)
+  c.push(make_push(0, d))
+  c.push(make_push(1, d))
+  assert c.status()["versions"] == [1]
+  g1 = global_of(c)
+  a, b = np.full(8, 2.0, np.float32), np.full(8, 8.0, np.float32)
+  c.push(make_push(0, a, base_version=0, tokens=100))  # staleness 1 -> weight 100 / 2
+  c.push(make_push(1, b, base_version=1, tokens=100))
+  w = np.array([50.0, 100.0]) / 150
+  np.testing.assert_allclose(global_of(c), g1 - (w[0] * a + w[1] * b), rtol=1e-6)
+
+
+def test_k1_no_grace_commits_at_first_push_and_multiple_fragments_independent():
+  c, clock = make_core(num_learners=3, sizes=(8, 5), k=1, max_grace_s=0.0)
+  c.push(make_push(2, np.ones(5), fragment=1))
+  assert c.status()["versions"] == [0, 1]
+  assert c.next_deadline() is None
+
+
+def test_single_learner_exact_overwrite():
+  # M=1, K=1, lr 1, momentum 0, fp32: the new global is exactly the learner's local fragment.
+  c, clock = make_core(num_learners=1, k=1, max_grace_s=0.0)
+  base = global_of(c)
+  local = base - np.arange(8, dtype=np.float32)[::-1] / 32
+  c.push(make_push(0, outer.outer_gradient(base, local)))
+  pub = c.pull(0, 1)
+  assert pub.version == 1
+  np.testing.assert_array_equal(codec.decode(pub.payload, pub.codec, 8, 4), local)
+  assert codec.checksum(pub.payload) == pub.checksum
+  np.testing.assert_array_equal(global_of(c), local)
+
+
+def _assert_states_equal(a, b):
+  assert a.keys() == b.keys()
+  for key in a:
+    if key in ("fragments", "opt_states"):
+      la, lb = [[np.asarray(x) for x in jax.tree.leaves(s[key])] for s in (a, b)]
+      assert len(la) == len(lb) > 0
+      for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    else:
+      assert a[key] == b[key], key
+
+
+def _bad_pushes():
+  good = np.ones(8, np.float32)
+  nan, inf = good.copy(), good.copy()
+  nan[3], inf[5] = np.nan, -np.inf
+  p = make_push(0, good)
+  return [
+      ("unknown_learner", make_push(99, good)),
+      ("fingerprint", make_push(0, good, fingerprint="other-run")),
+      ("unknown_fragment", make_push(0, good, fragment=7)),
+      ("unknown_fragment", make_push(0, good, fragment=-1)),
+      ("codec", make_push(0, good, codec="bf16")),
+      ("shape", make_push(0, np.ones(9, np.float32))),
+      ("checksum", make_push(0, good, checksum=p.checksum ^ 1)),
+      ("nonfinite", make_push(0, nan)),
+      ("nonfinite", make_push(0, inf)),
+      ("future_version", make_push(0, good, base_version=5)),
+      ("metadata", make_push(0, good, tokens=-1)),
+  ]
+
+
+@pytest.mark.parametrize("reason,bad", _bad_pushes(), ids=[r for r, _ in _bad_pushes()])
+def test_malformed_pushes_rejected_without_touching_state(reason, bad):
+  c, clock = make_core(num_learners=3, k=2, sizes=(8, 4))
+  c.push(make_push(1, np.full(8, 0.5, np.float32)))  # an open round that must stay as it is
+  before, status_before = c.state_dict(), c.status()
+  with pytest.raises(core_lib.Rejected) as e:
+    c.push(bad)
+  assert e.value.reason == reason
+  after, status_after = c.state_dict(), c.status()
+  assert after["counters"]["rejected"][reason] == before["counters"]["rejected"][reason] + 1
+  assert after["counters"]["contributions_rejected"] == before["counters"]["contributions_rejected"] + 1
+  for s in (before, after, status_before, status_after):
+    del s["counters"]
+  _assert_states_equal(before, after)
+  assert status_before == status_after  # open rounds, members, versions unchanged
+  # The open round still holds only learner 1; learner 2's good push reaches the quorum and merges both.
+  c.push(make_push(2, np.full(8, 1.5, np.float32)))
+  clock.t = 100.0
+  c.heartbeat(0, 10.0)
+  c.tick()
+  assert c.status()["versions"][0] == 1 and c.counters["contributions_merged"] == 2
+
+
+def test_rejected_join_and_left_learner():
+  c, clock = make_core(num_learners=2, k=1)
+  with pytest.raises(core_lib.Rejected) as e:
+    c.join(5, "another-run")
+  assert e.value.reason == "fingerprint" and 5 not in c.live_learners()
+  c.leave(1)
+  assert c.live_learners() == [0]
+  with pytest.raises(core_lib.Rejected) as e:
+    c.push(make_push(1, np.ones(8)))
+  assert e.value.reason == "not_member"
+  assert c.join(1, FP) == {0: 0}  # rejoin after a crash
+  assert c.live_learners() == [0, 1]
+
+
+def test_lease_expiry_and_heartbeat_revival():
+  c, clock = make_core(num_learners=3, k=3, lease_s=10.0, max_grace_s=30.0)
+  clock.t = 5.0
+  c.heartbeat(0, 10.0)
+  c.heartbeat(1, 10.0)
+  clock.t = 12.0  # learner 2 has been silent for 12 s > lease_s
+  assert c.live_learners() == [0, 1]
+  with pytest.raises(core_lib.Rejected) as e:
+    c.push(make_push(2, np.ones(8)))
+  assert e.value.reason == "not_member"
+  c.push(make_push(0, np.ones(8)))
+  assert c.status()["versions"] == [0]
+  c.push(make_push(1, np.ones(8)))  # K=3 but only 2 live, both in: closes
+  assert c.status()["versions"] == [1]
+  assert c.counters["leases_expired"] == 1
+  clock.t = 13.0
+  c.heartbeat(2, 10.0)  # back: counts toward the quorum again
+  assert c.live_learners() == [0, 1, 2]
+  c.push(make_push(0, np.ones(8), base_version=1))
+  c.push(make_push(1, np.ones(8), base_version=1))
+  clock.t = 14.0
+  assert c.tick() == [] and c.status()["versions"] == [1]
+  c.push(make_push(2, np.ones(8), base_version=1))
+  assert c.status()["versions"] == [2]
+
+
+def test_lease_expiry_during_open_round_closes_it():
+  # An expiry is itself a deadline: learner 2 dies, the round no longer waits for it.
+  c, clock = make_core(num_learners=3, k=3, lease_s=10.0, max_grace_s=30.0)
+  clock.t = 5.0
+  c.heartbeat(0, 10.0)
+  c.heartbeat(1, 10.0)
+  c.push(make_push(0, np.ones(8)))
+  c.push(make_push(1, np.ones(8)))
+  assert c.next_deadline() == pytest.approx(10.0)  # learner 2's lease
+  clock.t = 10.5
+  assert c.tick() == [0]
+
+
+def test_state_dict_roundtrip():
+  c, clock = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
+  rng = np.random.default_rng(0)
+  for v in range(3):
+    for p, n in ((0, 8), (1, 6)):
+      for i in range(2):
+        c.push(make_push(i, rng.standard_normal(n), fragment=p, base_version=v))
+  with pytest.raises(core_lib.Rejected):
+    c.push(make_push(9, np.ones(8)))
+  state = c.state_dict()
+  assert state["versions"] == [3, 3] and state["rounds"] == [3, 3]
+  fresh, _ = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
+  fresh.load_state_dict(state)
+  _assert_states_equal(fresh.state_dict(), state)
+  assert fresh.counters == c.counters and fresh.counters["rejected"]["unknown_learner"] == 1
+  assert fresh.pull(1, 3).payload == c.pull(1, 3).payload
+  # The momentum came back too: the same next round gives the same global.
+  for core in (c, fresh):
+    for i in range(2):
+      core.push(make_push(i, np.full(8, 0.25 * (i + 1)), base_version=3))
+  np.testing.assert_array_equal(global_of(c), global_of(fresh))
+
+
+def test_pull_waits_and_times_out():
+  c, clock = make_core(num_learners=2, k=2)
+  assert c.pull(0, 1, timeout_s=0.0) is None
+  assert c.pull(0, 0).version == 0
+  with pytest.raises(core_lib.Rejected):
+    c.pull(3, 0)
+
+
+def test_in_process_transport_two_threads():
+  settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
+                                     block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
+                                     fingerprint=FP)
+  core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
+  results, errors = {}, []
+  barrier = threading.Barrier(2)
+
+  def learner(i):
+    try:
+      t = InProcessTransport(core)
+      assert isinstance(t, Transport)
+      assert t.join(i, FP) == {0: 0, 1: 0}
+      barrier.wait()  # both joined: the round waits for both
+      t.heartbeat(i, 0.1)
+      sent = 0
+      for p, n in ((0, 40), (1, 24)):
+        payload = codec.encode(np.full(n, i + 1.0, np.float32), "int8", 8)
+        t.push(core_lib.Push(i, FP, p, 0, 5, 50, "int8", payload, codec.checksum(payload)))
+        sent += len(payload)
+      pulled = [t.pull(p, 1, timeout_s=10.0) for p in range(2)]
+      results[i] = (t.bytes_sent, sent, t.bytes_received, sum(len(x.payload) for x in pulled), pulled)
+    except Exception as e:  # noqa: BLE001 - surfaced below
+      errors.append(e)
+
+  threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(30)
+  assert not errors, errors
+  for i in range(2):
+    bytes_sent, sent, bytes_received, received, pulled = results[i]
+    assert bytes_sent == sent == codec.encoded_size(40, "int8", 8) + codec.encoded_size(24, "int8", 8)
+    assert bytes_received == received == 2 * 40 + 2 * 24
+    assert [x.version for x in pulled] == [1, 1]
+    # Both contributions merged (equal tokens): the mean delta is 1.5, lr 0.7 from zero momentum.
+    got = codec.decode(pulled[0].payload, "bf16", 40)
+    np.testing.assert_allclose(got, -0.7 * (1.5 + 0.9 * 1.5), rtol=1e-2)
+  assert core.counters["bytes_in"] == 2 * results[0][1]
+  assert core.counters["bytes_out"] == results[0][3] + results[1][3]
+
+
+def test_ticker_closes_rounds_without_other_calls():
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP)
+  core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
+  core.join(0, FP)
+  core.join(1, FP)
+  with Ticker(core, period_s=0.01):
+    payload = codec.encode(np.ones(4, np.float32), "fp32")
+    core.push(core_lib.Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+    assert core.status()["versions"] == [0]  # learner 1 may still come, inside the 50 ms grace
+    give_up = time.monotonic() + 5.0
+    while core.status()["versions"] == [0] and time.monotonic() < give_up:
+      time.sleep(0.01)
+  assert core.status()["versions"] == [1]
+
+
+def test_settings_from_config_and_status_is_json():
+  import json
+
+  from diloco_jax import config as config_lib
+  from diloco_jax import fragments
+
+  cfg = config_lib.base_config()
+  cfg.outer.min_quorum, cfg.outer.codec, cfg.outer.merge = 2, "int8", "tokens_sq_per_step"
+  params = {"embed": {"embedding": np.zeros((4, 3))}, "layers": {0: {"w": np.zeros((3, 3))},
+                                                                  1: {"w": np.zeros((3, 3))}}}
+  plan = fragments.make_plan(params, 2, cfg.outer.sync_every)
+  s = core_lib.SyncerSettings.from_config(cfg, plan, "fp")
+  assert s.sizes == (21, 9) and s.codec == s.downlink_codec == "int8" and s.block == 64
+  assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, min_grace_s=0.0, max_grace_s=5.0)
+  assert (s.merge_rule, s.outer_lr, s.outer_momentum, s.lease_s) == ("tokens_sq_per_step", 0.7, 0.9, 30.0)
+  cfg.outer.downlink_codec = "fp32"
+  assert core_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "fp32"
+  c, clock = make_core(num_learners=2, k=2)
+  c.push(make_push(0, np.ones(8)))
+  status = json.loads(json.dumps(c.status()))
+  assert status["live"] == [0, 1] and status["open_rounds"]["0"]["contributors"] == [0]
