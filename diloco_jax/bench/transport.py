@@ -1,0 +1,279 @@
+"""`python -m diloco_jax bench transport [--mb 64] [--json]`: fragment push/pull throughput over loopback gRPC.
+
+For each codec (fp32/bf16/int8/int4) a fragment of `--mb` MB of float32 parameters is encoded, then pushed
+to and pulled from a syncer service running in a separate process (so that each end's memory is its own),
+through the real client (`GrpcTransport`: chunking, auth, byte counters) and the real server shell
+(`syncer/server.py`: auth, validation, reassembly). The core behind the server is a stub that checks the
+payload's CRC-32 and serves a pre-encoded fragment: the figures are the transport's, not the outer step's.
+Beside it, the same bytes go through a raw TCP socket in the same run: the floor that gRPC is measured
+against. Peak RSS: psutil high-water marks sampled every 2 ms in each process during each codec's transfers.
+
+MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+TOKEN_ENV = "DILOCO_BENCH_TOKEN"
+
+
+class RssSampler:
+  """Peak resident memory of this process, sampled in a daemon thread."""
+
+  def __init__(self, period_s: float = 0.002):
+    import psutil
+
+    self._proc = psutil.Process()
+    self._peak = self._proc.memory_info().rss
+    self._lock = threading.Lock()
+    self._period = period_s
+    threading.Thread(target=self._run, daemon=True, name="rss-sampler").start()
+
+  def _run(self):
+    while True:
+      rss = self._proc.memory_info().rss
+      with self._lock:
+        self._peak = max(self._peak, rss)
+      time.sleep(self._period)
+
+  def reset(self) -> int:
+    """The peak since the last reset (bytes); the next period starts from the current RSS."""
+    rss = self._proc.memory_info().rss
+    with self._lock:
+      peak, self._peak = max(self._peak, rss), rss
+    return peak
+
+
+# --- the server process -----------------------------------------------------------------------------------
+
+
+class _BenchCore:
+  """Stands in for SyncerCore: fragment i is CODECS[i]'s encoding of one random vector."""
+
+  def __init__(self, size: int, block: int, sampler: RssSampler):
+    from diloco_jax import codec as codec_lib
+    from diloco_jax.syncer import core as core_lib
+
+    self._codec, self._core_lib, self._sampler = codec_lib, core_lib, sampler
+    vec = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    self._published = []
+    for i, name in enumerate(CODECS):
+      payload = codec_lib.encode(vec, name, block)
+      self._published.append(core_lib.Published(fragment=i, version=1, codec=name, payload=payload,
+                                                 checksum=codec_lib.checksum(payload)))
+    del vec
+    self.pushes = 0
+
+  def join(self, learner_id, fingerprint):
+    return {i: 1 for i in range(len(CODECS))}
+
+  def leave(self, learner_id):
+    pass
+
+  def heartbeat(self, learner_id, step_time_s):
+    pass
+
+  def push(self, push):
+    if self._codec.checksum(push.payload) != push.checksum:
+      raise self._core_lib.Rejected("checksum", "bench payload corrupted")
+    self.pushes += 1
+    return self._core_lib.PushReceipt(fragment=push.fragment, round=self.pushes, late=False)
+
+  def pull(self, fragment, min_version, timeout_s=0.0):
+    return self._published[fragment]
+
+  def status(self):
+    return {"versions": [1] * len(CODECS), "peak_rss": self._sampler.reset()}
+
+
+def _raw_server(sock: socket.socket, size: int):
+  """Raw TCP: b'P'+u64 n: read n bytes, answer one byte. b'G'+u64 n: send n bytes."""
+  out = bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
+  buf = bytearray(size)
+  while True:
+    conn, _ = sock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+      while True:
+        head = _recv_exact(conn, 9)
+        if head is None:
+          break
+        op, n = head[:1], struct.unpack("<Q", head[1:])[0]
+        if op == b"P":
+          view = memoryview(buf)[:n]
+          got = 0
+          while got < n:
+            k = conn.recv_into(view[got:], n - got)
+            if not k:
+              break
+            got += k
+          conn.sendall(b"k")
+        else:
+          conn.sendall(memoryview(out)[:n])
+
+
+def _recv_exact(conn, n):
+  data = bytearray()
+  while len(data) < n:
+    chunk = conn.recv(n - len(data))
+    if not chunk:
+      return None
+    data += chunk
+  return bytes(data)
+
+
+def _serve(args) -> int:
+  from diloco_jax.syncer import server as server_lib
+
+  sampler = RssSampler()
+  core = _BenchCore(args.size, args.block, sampler)
+  limits = server_lib.Limits(chunk_bytes=args.chunk_kb * 1024, max_push_bytes=8 * args.size + (1 << 20),
+                             rate_per_s=0)
+  handle = server_lib.serve(core, "127.0.0.1:0", token=os.environ[TOKEN_ENV], limits=limits)
+  raw = socket.socket()
+  raw.bind(("127.0.0.1", 0))
+  raw.listen(1)
+  threading.Thread(target=_raw_server, args=(raw, 4 * args.size + 1024), daemon=True).start()
+  print(f"{handle.port} {raw.getsockname()[1]}", flush=True)
+  sys.stdin.read()  # until the client closes our stdin
+  handle.stop(grace=0)
+  return 0
+
+
+# --- the client -------------------------------------------------------------------------------------------
+
+
+def _best(fn, repeats):
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _raw_push(sock, payload):
+  sock.sendall(b"P" + struct.pack("<Q", len(payload)))
+  sock.sendall(payload)
+  assert _recv_exact(sock, 1) == b"k"
+
+
+def _raw_pull(sock, n, buf):
+  sock.sendall(b"G" + struct.pack("<Q", n))
+  view = memoryview(buf)[:n]
+  got = 0
+  while got < n:
+    k = sock.recv_into(view[got:], n - got)
+    if not k:
+      raise ConnectionError("raw server closed")
+    got += k
+
+
+def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block: int = 64) -> list[dict]:
+  """The benchmark; returns one row per codec."""
+  from diloco_jax import codec as codec_lib
+  from diloco_jax import grpc_transport
+  from diloco_jax.syncer import core as core_lib
+
+  size = int(mb * 1e6 / 4)
+  token = os.urandom(16).hex()
+  env = {**os.environ, TOKEN_ENV: token, "JAX_PLATFORMS": "cpu"}
+  server = subprocess.Popen([sys.executable, "-m", "diloco_jax", "bench", "transport", "--serve",
+                             f"--size={size}", f"--block={block}", f"--chunk-kb={chunk_kb}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+  try:
+    grpc_port, raw_port = (int(x) for x in server.stdout.readline().split())
+    sampler = RssSampler()
+    vec = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    rows = []
+    raw = socket.create_connection(("127.0.0.1", raw_port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw_buf = bytearray(4 * size + 1024)
+    with grpc_transport.GrpcTransport(f"127.0.0.1:{grpc_port}", token, 0, chunk_bytes=chunk_kb * 1024) as t:
+      t.join(0, "bench")
+      t.status()  # resets the server's RSS peak
+      for name in codecs:
+        i = CODECS.index(name)
+        payload = codec_lib.encode(vec, name, block)
+        push = core_lib.Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
+                             codec=name, payload=payload, checksum=codec_lib.checksum(payload))
+        t.status()
+        sampler.reset()
+        sent0, recv0 = t.bytes_sent, t.bytes_received
+        push_s = _best(lambda: t.push(push), repeats)
+        pull_s = _best(lambda: t.pull(i, 0), repeats)
+        wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
+        client_rss = sampler.reset()
+        server_rss = t.status()["peak_rss"]
+        n = len(payload)
+        raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
+        raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
+        rows.append({
+            "codec": name, "params": size, "payload_mb": n / 1e6,
+            "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
+            "raw_send_mb_s": n / 1e6 / raw_push_s, "raw_recv_mb_s": n / 1e6 / raw_pull_s,
+            "framing_overhead": (wire_sent + wire_received) / (2 * repeats * n) - 1.0,
+            "client_peak_rss_mb": client_rss / 1e6, "server_peak_rss_mb": server_rss / 1e6,
+        })
+    raw.close()
+    return rows
+  finally:
+    server.stdin.close()
+    try:
+      server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      server.kill()
+
+
+def format_table(rows) -> str:
+  head = (f"{'codec':<6}{'payload MB':>11}{'push MB/s':>11}{'pull MB/s':>11}{'raw send':>10}{'raw recv':>10}"
+          f"{'framing':>9}{'client RSS':>12}{'server RSS':>12}")
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    lines.append(f"{r['codec']:<6}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
+                 f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{100 * r['framing_overhead']:>8.3f}%"
+                 f"{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
+  return "\n".join(lines)
+
+
+def main(argv) -> int:
+  parser = argparse.ArgumentParser(prog=argv[0], description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--mb", type=float, default=64.0, help="fragment size in MB of float32 (64 = 16M params)")
+  parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codecs")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--chunk-kb", type=int, default=1024, help="gRPC chunk size")
+  parser.add_argument("--block", type=int, default=64, help="quantization block")
+  parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+  parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess
+  parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv[1:])
+  if args.serve:
+    return _serve(args)
+  codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+  bad = [c for c in codecs if c not in CODECS]
+  if bad:
+    parser.error(f"unknown codecs {bad}; expected some of {CODECS}")
+  rows = run(args.mb, codecs, args.repeats, args.chunk_kb, args.block)
+  if args.json:
+    print(json.dumps(rows, indent=2))
+  else:
+    print(f"loopback gRPC vs raw TCP, fragment of {args.mb:g} MB float32, best of {args.repeats}")
+    print(format_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,303 @@
+"""The learner's gRPC client of the syncer: the `Transport` protocol over the wire.
+
+Same interface as `transport.InProcessTransport`, so the learner's background worker does not know which
+one it holds. Calls block; the worker calls them, never the inner loop.
+
+* Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone) a call is retried
+  with exponential backoff and jitter, and fails with `SyncerUnreachable` only after `unreachable_deadline_s`
+  (a syncer restart from a checkpoint takes seconds to minutes; learners keep training meanwhile). Other
+  failures are not retried: a refusal by the core is re-raised as the core's `Rejected` with the same reason,
+  a bad token as `AuthError`.
+* Byte counters: `bytes_sent` / `bytes_received` count every gRPC message of every call, exactly as
+  `msg.ByteSize() + 5` (the serialized protobuf plus gRPC's 5-byte length-prefix frame header). Not counted:
+  HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed call
+  headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers. Retried
+  attempts count again: they crossed the wire again.
+* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import random
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from diloco_jax import wan as wan_lib
+from diloco_jax.proto import diloco_pb2 as pb
+from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message: 1 byte compressed flag + 4 bytes length
+REASON_KEY = "diloco-reason"
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class SyncerUnreachable(ConnectionError):
+  """The syncer did not answer within the retry deadline."""
+
+
+class AuthError(PermissionError):
+  """The syncer refused the run token."""
+
+
+class SyncerError(RuntimeError):
+  """Any other failure of a syncer call (carries the gRPC status code)."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(f"{code.name}: {message}")
+    self.code = code
+
+
+def _message_bytes(msg) -> int:
+  return msg.ByteSize() + GRPC_FRAME_BYTES
+
+
+class GrpcTransport:
+  """A learner's connection to the gRPC syncer; implements `transport.Transport`. Thread-safe.
+
+  Args:
+    target: `host:port` of the syncer.
+    token: the run's shared token (read it with `server.read_token`, never from argv).
+    learner_id: this learner's id.
+    fingerprint: the run fingerprint, sent on calls whose Transport signature has none (pull, heartbeat).
+      Defaults to the one last passed to `join`.
+    tls_ca: PEM CA that signed the syncer's certificate (enables TLS).
+    tls_cert, tls_key: PEM client certificate and key (mutual TLS).
+    tls_server_name: expected name in the syncer certificate, if not the target's host.
+    wan: emulate a WAN link (bandwidth cap, latency) on this client's chunks.
+    chunk_bytes: Push chunk size (must stay under the syncer's message limit).
+    unreachable_deadline_s: keep retrying an unreachable syncer this long before raising.
+    backoff_s, max_backoff_s: first and largest retry delay.
+    call_timeout_s: deadline of one attempt (a Pull adds its long-poll time).
+  """
+
+  def __init__(self, target: str, token: str, learner_id: int, *, fingerprint: str | None = None,
+               tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+               tls_server_name: str | None = None, wan: wan_lib.WanLink | wan_lib.WanSpec | None = None,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 4 << 20,
+               unreachable_deadline_s: float = 300.0, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+               call_timeout_s: float = 120.0, sleep: Callable[[float], None] = time.sleep):
+    if not token:
+      raise ValueError("GrpcTransport needs the run token")
+    if chunk_bytes < 1 or chunk_bytes + 64 > max_message_bytes:
+      raise ValueError(f"chunk_bytes ({chunk_bytes}) must be in [1, max_message_bytes - 64]")
+    self.target = target
+    self.learner_id = int(learner_id)
+    self.fingerprint = fingerprint
+    self.chunk_bytes = chunk_bytes
+    self.unreachable_deadline_s = unreachable_deadline_s
+    self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+    self.call_timeout_s = call_timeout_s
+    self.wan = wan_lib.WanLink(wan) if isinstance(wan, wan_lib.WanSpec) else wan
+    self._sleep = sleep
+    self._metadata = (("authorization", f"Bearer {token}"),)
+    self._lock = threading.Lock()
+    self._sent = 0
+    self._received = 0
+    self.retries = 0
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    if tls_ca or tls_cert:
+      read = lambda p: pathlib.Path(p).read_bytes() if p else None
+      creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+      if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+      self._channel = grpc.secure_channel(target, creds, options=options)
+    else:
+      self._channel = grpc.insecure_channel(target, options=options)
+    self._stub = pb_grpc.SyncerStub(self._channel)
+
+  # --- byte accounting and WAN pacing -------------------------------------------------------------------
+
+  @property
+  def bytes_sent(self) -> int:
+    with self._lock:
+      return self._sent
+
+  @property
+  def bytes_received(self) -> int:
+    with self._lock:
+      return self._received
+
+  def _out(self, msg, first: bool):
+    n = _message_bytes(msg)
+    if self.wan is not None:
+      self.wan.send(n, first=first)
+    with self._lock:
+      self._sent += n
+    return msg
+
+  def _in(self, msg, first: bool):
+    n = _message_bytes(msg)
+    with self._lock:
+      self._received += n
+    if self.wan is not None:
+      self.wan.receive(n, first=first)
+    return msg
+
+  # --- retries and error translation ----------------------------------------------------------------------
+
+  def _call(self, name: str, attempt: Callable[[float], object]):
+    """Run `attempt(timeout)`, retrying while the syncer is unreachable; translate failures."""
+    start = time.monotonic()
+    delay = self.backoff_s
+    while True:
+      try:
+        return attempt(self.call_timeout_s)
+      except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        if code != grpc.StatusCode.UNAVAILABLE:
+          raise self._translate(name, e) from None
+        waited = time.monotonic() - start
+        if waited + delay > self.unreachable_deadline_s:
+          raise SyncerUnreachable(f"syncer at {self.target} unreachable for {waited:.1f}s ({name}): "
+                                  f"{e.details() if hasattr(e, 'details') else e}") from None
+        with self._lock:
+          self.retries += 1
+        log.info("%s: syncer %s unavailable, retrying in %.2fs", name, self.target, delay)
+        self._sleep(delay * random.uniform(0.8, 1.2))
+        delay = min(delay * 2, self.max_backoff_s)
+
+  def _translate(self, name: str, e: grpc.RpcError) -> Exception:
+    from diloco_jax.syncer import core as core_lib
+
+    code, details = e.code(), e.details() or ""
+    reason = None
+    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+      if key == REASON_KEY:
+        reason = value
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+      return AuthError(f"{name}: syncer refused the run token: {details}")
+    if reason in core_lib.REASONS:
+      return _rejected(core_lib, reason, details)
+    return SyncerError(code, f"{name}: {details}")
+
+  # --- the Transport protocol ----------------------------------------------------------------------------
+
+  def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
+    """Enter the quorum; returns {fragment: version} of the global model."""
+    self.fingerprint = fingerprint
+    request = pb.JoinRequest(learner_id=learner_id, fingerprint=fingerprint)
+
+    def attempt(timeout):
+      self._out(request, True)
+      response = self._stub.Join(request, timeout=timeout, metadata=self._metadata)
+      return {int(k): int(v) for k, v in self._in(response, True).versions.items()}
+
+    return self._call("join", attempt)
+
+  def leave(self, learner_id: int | None = None) -> None:
+    """Leave the quorum cleanly (a silent learner loses its lease instead)."""
+    request = pb.LeaveRequest(learner_id=self.learner_id if learner_id is None else learner_id,
+                              fingerprint=self.fingerprint or "")
+
+    def attempt(timeout):
+      self._out(request, True)
+      self._in(self._stub.Leave(request, timeout=timeout, metadata=self._metadata), True)
+
+    self._call("leave", attempt)
+
+  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+    """Renew the lease, reporting the recent inner-step time."""
+    request = pb.HeartbeatRequest(learner_id=learner_id, fingerprint=self.fingerprint or "",
+                                  step_time_s=float(step_time_s))
+
+    def attempt(timeout):
+      self._out(request, True)
+      self._in(self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata), True)
+
+    self._call("heartbeat", attempt)
+
+  def status(self) -> dict:
+    """The syncer's status (members, versions, counters; `server`: the service's own counters)."""
+    import json
+
+    request = pb.StatusRequest()
+
+    def attempt(timeout):
+      self._out(request, True)
+      response = self._in(self._stub.Status(request, timeout=timeout, metadata=self._metadata), True)
+      return json.loads(response.json)
+
+    return self._call("status", attempt)
+
+  def push(self, push):
+    """Send one outer gradient (a `core.Push`) in chunks; returns the core's `PushReceipt`."""
+    from diloco_jax.syncer import core as core_lib
+
+    header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
+                           base_version=push.base_version, steps=push.steps, tokens=push.tokens,
+                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
+
+    def attempt(timeout):
+      response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
+                                 metadata=self._metadata)
+      response = self._in(response, True)
+      return core_lib.PushReceipt(fragment=response.fragment, round=response.round, late=response.late)
+
+    return self._call("push", attempt)
+
+  def _push_chunks(self, header, payload: bytes) -> Iterator[pb.PushChunk]:
+    yield self._out(pb.PushChunk(header=header), True)
+    view = memoryview(payload)
+    for offset in range(0, len(payload), self.chunk_bytes):
+      yield self._out(pb.PushChunk(data=bytes(view[offset:offset + self.chunk_bytes]), offset=offset), False)
+
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0):
+    """The global fragment once its version is >= min_version (a `core.Published`), waiting up to
+    `timeout_s` on the syncer (long-poll); None if it did not come in time."""
+    from diloco_jax.syncer import core as core_lib
+
+    request = pb.PullRequest(learner_id=self.learner_id, fingerprint=self.fingerprint or "",
+                             fragment=fragment, min_version=min_version, timeout_s=float(timeout_s))
+
+    def attempt(timeout):
+      self._out(request, True)
+      stream = self._stub.Pull(request, timeout=timeout + float(timeout_s), metadata=self._metadata)
+      first = next(stream, None)
+      if first is None or first.WhichOneof("kind") != "header":
+        raise SyncerError(grpc.StatusCode.INTERNAL, "pull: the syncer's answer did not start with a header")
+      h = self._in(first, True).header
+      if not h.found:
+        for _ in stream:  # drain: nothing should follow
+          pass
+        return None
+      buf = bytearray(h.total_size)
+      view = memoryview(buf)
+      received = 0
+      for msg in stream:
+        self._in(msg, False)
+        n = len(msg.data)
+        if msg.offset != received or received + n > h.total_size:
+          raise SyncerError(grpc.StatusCode.DATA_LOSS, f"pull: chunk at offset {msg.offset} out of sequence")
+        view[received:received + n] = msg.data
+        received += n
+      if received != h.total_size:
+        raise SyncerError(grpc.StatusCode.DATA_LOSS,
+                          f"pull: truncated fragment {h.fragment}: {received} of {h.total_size} bytes")
+      del view
+      return core_lib.Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=bytes(buf),
+                                checksum=h.checksum)
+
+    return self._call("pull", attempt)
+
+  def close(self) -> None:
+    self._channel.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _rejected(core_lib, reason: str, details: str) -> Exception:
+  """The core's Rejected with `reason` (the same exception the in-process transport raises)."""
+  prefix = f"rejected ({reason}): "
+  return core_lib.Rejected(reason, details[len(prefix):] if details.startswith(prefix) else details)

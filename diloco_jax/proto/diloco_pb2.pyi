@@ -1,0 +1,146 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("versions",)
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.ScalarMap[int, int]
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    fragment: int
+    base_version: int
+    steps: int
+    tokens: int
+    codec: str
+    checksum: int
+    total_size: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    offset: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("fragment", "round", "late")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    late: bool
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    fragment: int
+    min_version: int
+    timeout_s: float
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("found", "fragment", "version", "codec", "checksum", "total_size")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    fragment: int
+    version: int
+    codec: str
+    checksum: int
+    total_size: int
+    def __init__(self, found: _Optional[bool] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("header", "data", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    data: bytes
+    offset: int
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint", "step_time_s")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    step_time_s: float
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,98 @@
+"""WAN emulation inside the client: a bandwidth cap and a one-way latency, with no root and no tc/netem.
+
+A learner's link to the syncer is modelled as two independent directions (up: learner -> syncer, down:
+syncer -> learner), each with
+
+  * a token bucket of `bandwidth` bytes/s (burst `burst_bytes`): every chunk waits until the bucket has paid
+    for its bytes, so a transfer of n bytes takes about n / bandwidth seconds, and concurrent transfers of
+    one learner share the cap (the bucket is thread-safe);
+  * a one-way propagation latency paid once per message stream, on its first chunk. Chunks of one stream
+    are pipelined on a real link, so a transfer of n bytes costs `latency + n / bandwidth`, and a call with
+    a reply costs one round trip (2 * latency) plus both transfers.
+
+The arithmetic (`TokenBucket.reserve`) is a pure function of a clock; `WanLink` only adds the sleeps, so
+tests drive it with a fake clock or measure it with the real one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+
+class TokenBucket:
+  """A token bucket that may go into debt: `reserve(n)` takes n tokens now and says how long to wait.
+
+  Debt keeps the cap exact for chunks larger than the burst, and keeps arrival order fair between
+  threads: a later caller waits behind the bytes already reserved.
+  """
+
+  def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+    if rate <= 0:
+      raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+    if burst < 0:
+      raise ValueError(f"burst must be >= 0 bytes, got {burst}")
+    self.rate = float(rate)
+    self.burst = float(burst)
+    self._clock = clock
+    self._tokens = float(burst)  # starts full: the first burst goes out at once
+    self._last = clock()
+    self._lock = threading.Lock()
+
+  def reserve(self, n: int) -> float:
+    """Take n tokens; return the seconds the caller must wait before its n bytes are on the link."""
+    with self._lock:
+      now = self._clock()
+      self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+      self._last = now
+      self._tokens -= n
+      return max(0.0, -self._tokens / self.rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanSpec:
+  """An emulated link. bandwidth in bytes/s (0 = unlimited), latency one-way in seconds."""
+
+  up_bytes_per_s: float = 0.0
+  down_bytes_per_s: float = 0.0
+  latency_s: float = 0.0
+  burst_bytes: int = 64 * 1024
+
+  @classmethod
+  def from_gbps(cls, gbps: float, latency_ms: float = 0.0, **kw) -> "WanSpec":
+    """A symmetric link of `gbps` gigabits/s (0 = unlimited) and `latency_ms` one-way."""
+    rate = gbps * 1e9 / 8
+    return cls(up_bytes_per_s=rate, down_bytes_per_s=rate, latency_s=latency_ms / 1e3, **kw)
+
+
+class WanLink:
+  """Applies a WanSpec to a client's chunks. Thread-safe; share one per learner (one physical link)."""
+
+  def __init__(self, spec: WanSpec, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep):
+    self.spec = spec
+    self._sleep = sleep
+    self._up = TokenBucket(spec.up_bytes_per_s, spec.burst_bytes, clock) if spec.up_bytes_per_s > 0 else None
+    self._down = (TokenBucket(spec.down_bytes_per_s, spec.burst_bytes, clock)
+                  if spec.down_bytes_per_s > 0 else None)
+    self._lock = threading.Lock()
+    self.delay_s = 0.0  # total emulated delay applied so far (diagnostics)
+
+  def _apply(self, bucket: TokenBucket | None, nbytes: int, first: bool) -> None:
+    wait = self.spec.latency_s if first else 0.0
+    if bucket is not None:
+      wait += bucket.reserve(nbytes)
+    if wait > 0:
+      with self._lock:
+        self.delay_s += wait
+      self._sleep(wait)
+
+  def send(self, nbytes: int, first: bool = False) -> None:
+    """Call before a chunk of `nbytes` leaves (first=True on a stream's first message: pays the latency)."""
+    self._apply(self._up, nbytes, first)
+
+  def receive(self, nbytes: int, first: bool = False) -> None:
+    """Call after a chunk of `nbytes` arrived, before it is used."""
+    self._apply(self._down, nbytes, first)

@@ -1,0 +1,434 @@
+"""The gRPC syncer service and client over real loopback sockets (ephemeral ports), with the real core."""
+
+import math
+import shutil
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from diloco_jax import codec as codec_lib
+from diloco_jax import grpc_transport
+from diloco_jax import wan as wan_lib
+from diloco_jax.proto import diloco_pb2 as pb
+from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
+from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer import server as server_lib
+from diloco_jax.syncer.policy import QuorumPolicy
+
+TOKEN = "test-token-0123456789"
+FP = "fp-test"
+SIZES = (1000, 300)
+
+
+def make_core(sizes=SIZES, codec="fp32"):
+  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec,
+                                     downlink_codec=codec, block=64,
+                                     policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0), fingerprint=FP)
+  rng = np.random.default_rng(0)
+  return core_lib.SyncerCore(settings, [rng.standard_normal(n).astype(np.float32) for n in sizes])
+
+
+@pytest.fixture
+def syncer():
+  core = make_core()
+  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)
+  yield core, handle
+  handle.stop(grace=0)
+
+
+def client(handle, learner_id=0, **kw):
+  kw.setdefault("unreachable_deadline_s", 2.0)
+  return grpc_transport.GrpcTransport(f"127.0.0.1:{handle.port}", TOKEN, learner_id, **kw)
+
+
+def make_push(core, fragment=0, learner_id=0, scale=0.01, codec="fp32", **overrides):
+  n = core.settings.sizes[fragment]
+  delta = (scale * np.arange(n) / n).astype(np.float32)
+  payload = codec_lib.encode(delta, codec, 64)
+  fields = dict(learner_id=learner_id, fingerprint=FP, fragment=fragment, base_version=0, steps=10, tokens=640,
+                codec=codec, payload=payload, checksum=codec_lib.checksum(payload))
+  fields.update(overrides)
+  return core_lib.Push(**fields)
+
+
+def test_push_pull_round_trip(syncer):
+  core, handle = syncer
+  with client(handle) as t:
+    assert t.join(0, FP) == {0: 0, 1: 0}
+    before = core.pull(0, 0).payload
+    receipt = t.push(make_push(core))
+    assert receipt == core_lib.PushReceipt(fragment=0, round=0, late=False)
+    published = t.pull(0, 1, timeout_s=5.0)
+    assert published.version == 1 and published.fragment == 0
+    assert published.payload == core.pull(0, 1).payload != before
+    assert published.checksum == codec_lib.checksum(published.payload)
+    # Nothing newer within the timeout: None, after roughly the timeout.
+    start = time.monotonic()
+    assert t.pull(0, 2, timeout_s=0.3) is None
+    assert 0.25 < time.monotonic() - start < 3.0
+    t.heartbeat(0, 0.25)
+    status = t.status()
+    assert status["versions"] == [1, 0] and status["members"]["0"]["step_time_s"] == 0.25
+    assert status["server"]["pushes"] == 1
+
+
+def test_long_poll_wakes_on_publish(syncer):
+  core, handle = syncer
+  with client(handle) as t:
+    t.join(0, FP)
+    threading.Timer(0.3, lambda: core.push(make_push(core, fragment=1))).start()
+    start = time.monotonic()
+    published = t.pull(1, 1, timeout_s=10.0)
+    assert published.version == 1 and time.monotonic() - start < 5.0
+
+
+def test_byte_counters_are_messages_plus_frame_headers(syncer):
+  core, handle = syncer
+  frame = grpc_transport.GRPC_FRAME_BYTES
+  with client(handle, chunk_bytes=1500) as t:
+    t.join(0, FP)
+    sent0, received0 = t.bytes_sent, t.bytes_received
+    assert sent0 == pb.JoinRequest(learner_id=0, fingerprint=FP).ByteSize() + frame
+    push = make_push(core)
+    receipt = t.push(push)
+    header = pb.PushHeader(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=10, tokens=640,
+                           codec="fp32", checksum=push.checksum, total_size=len(push.payload))
+    want = pb.PushChunk(header=header).ByteSize() + frame
+    for off in range(0, len(push.payload), 1500):
+      want += pb.PushChunk(data=push.payload[off:off + 1500], offset=off).ByteSize() + frame
+    assert t.bytes_sent - sent0 == want
+    assert len(push.payload) < want < len(push.payload) + 200  # 3 chunks: framing is small
+    assert t.bytes_received - received0 == pb.PushResponse(
+        fragment=0, round=receipt.round, late=False).ByteSize() + frame
+    sent1, received1 = t.bytes_sent, t.bytes_received
+    published = t.pull(0, 1)
+    # The server chunks at 1 MiB: one header and one data message here.
+    n = len(published.payload)
+    header = pb.PullHeader(found=True, fragment=0, version=1, codec="fp32", checksum=published.checksum,
+                           total_size=n)
+    assert t.bytes_received - received1 == (pb.PullChunk(header=header).ByteSize() + frame +
+                                            pb.PullChunk(data=published.payload, offset=0).ByteSize() + frame)
+    assert t.bytes_sent - sent1 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
+                                                  timeout_s=0.0).ByteSize() + frame
+
+
+# --- bad input over the wire ----------------------------------------------------------------------------
+
+
+def _stub(handle, token=TOKEN):
+  channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+  metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+  return channel, pb_grpc.SyncerStub(channel), metadata
+
+
+def _header(push, **overrides):
+  fields = dict(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
+                base_version=push.base_version, steps=push.steps, tokens=push.tokens, codec=push.codec,
+                checksum=push.checksum, total_size=len(push.payload))
+  fields.update(overrides)
+  return pb.PushChunk(header=pb.PushHeader(**fields))
+
+
+def _chunks(payload, size=1024, start=0):
+  return [pb.PushChunk(data=payload[o:o + size], offset=start + o) for o in range(0, len(payload), size)]
+
+
+def _comparable(state, *, counters=True):
+  """A state dict as nested python values; without the rejection counters if counters=False."""
+  state = dict(state)
+  if not counters:
+    c = dict(state["counters"])
+    c.pop("rejected"), c.pop("contributions_rejected")
+    state["counters"] = c
+  return repr({k: (v if k not in ("fragments", "opt_states") else
+                   [np.asarray(x).tobytes() for x in __import__("jax").tree.leaves(v)])
+               for k, v in state.items()})
+
+
+def _bad_calls(core):
+  """(name, call(stub, metadata), status code, text in the details, reaches the core)."""
+  good = make_push(core)
+  garbage = bytes(np.random.default_rng(1).integers(0, 256, len(good.payload), dtype=np.uint8))
+  nan = make_push(core)
+  nan_payload = codec_lib.encode(np.full(SIZES[0], np.nan, np.float32), "fp32", 64)
+  wrong_shape = codec_lib.encode(np.zeros(SIZES[0] - 7, np.float32), "fp32", 64)
+  other_run = make_push(core, fingerprint="another-run")
+  half = len(good.payload) // 2
+  del nan
+  return [
+      ("checksum", lambda s, m: s.Push(iter([_header(good, checksum=good.checksum)] + _chunks(garbage)),
+                                       metadata=m), grpc.StatusCode.INVALID_ARGUMENT, "checksum", True),
+      ("truncated", lambda s, m: s.Push(iter([_header(good)] + _chunks(good.payload[:half])), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "truncated", False),
+      ("out_of_sequence", lambda s, m: s.Push(iter([_header(good)] + _chunks(good.payload)[::-1]),
+                                              metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "out of sequence", False),
+      ("oversize", lambda s, m: s.Push(iter([_header(good)] + _chunks(good.payload + b"xx")), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "exceeds its declared size", False),
+      ("no_header", lambda s, m: s.Push(iter(_chunks(good.payload)), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "must start with a header", False),
+      ("huge_declared", lambda s, m: s.Push(iter([_header(good, total_size=1 << 40)]), metadata=m),
+       grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the limit", False),
+      ("wrong_shape", lambda s, m: s.Push(iter([_header(good, total_size=len(wrong_shape),
+                                                        checksum=codec_lib.checksum(wrong_shape))]
+                                               + _chunks(wrong_shape)), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "shape", True),
+      ("nan", lambda s, m: s.Push(iter([_header(good, checksum=codec_lib.checksum(nan_payload))]
+                                       + _chunks(nan_payload)), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "nonfinite", True),
+      ("unknown_fragment", lambda s, m: s.Push(iter([_header(good, fragment=7)] + _chunks(good.payload)),
+                                               metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "unknown_fragment", True),
+      ("pull_unknown_fragment", lambda s, m: list(s.Pull(pb.PullRequest(learner_id=0, fingerprint=FP,
+                                                                        fragment=9), metadata=m)),
+       grpc.StatusCode.INVALID_ARGUMENT, "unknown_fragment", False),
+      ("push_other_run", lambda s, m: s.Push(iter([_header(other_run)] + _chunks(other_run.payload)),
+                                             metadata=m),
+       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
+      ("join_other_run", lambda s, m: s.Join(pb.JoinRequest(learner_id=5, fingerprint="another-run"),
+                                             metadata=m),
+       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", False),
+      ("not_joined", lambda s, m: s.Push(iter([_header(good, learner_id=3)] + _chunks(good.payload)),
+                                         metadata=m),
+       grpc.StatusCode.FAILED_PRECONDITION, "unknown_learner", True),
+      ("heartbeat_nan", lambda s, m: s.Heartbeat(pb.HeartbeatRequest(learner_id=0, fingerprint=FP,
+                                                                     step_time_s=float("nan")), metadata=m),
+       grpc.StatusCode.INVALID_ARGUMENT, "finite", False),
+  ]
+
+
+def test_bad_calls_get_clear_errors_and_change_nothing(syncer):
+  core, handle = syncer
+  core.join(0, FP)
+  channel, stub, metadata = _stub(handle)
+  for name, call, code, text, reaches_core in _bad_calls(core):
+    before = core.state_dict()
+    with pytest.raises(grpc.RpcError) as info:
+      call(stub, metadata)
+    assert info.value.code() == code, (name, info.value.details())
+    assert text in info.value.details(), (name, info.value.details())
+    after = core.state_dict()
+    # The shell's own refusals never reach the core; the core's count the rejection and nothing else.
+    assert _comparable(after, counters=not reaches_core) == _comparable(before, counters=not reaches_core), name
+    if not reaches_core:
+      assert _comparable(after) == _comparable(before), name
+  # The server is still up and a good push still goes through.
+  assert core.counters["rounds"] == 0
+  assert stub.Push(iter([_header(make_push(core))] + _chunks(make_push(core).payload)),
+                   metadata=metadata).round == 0
+  assert core.status()["versions"] == [1, 0]
+  channel.close()
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_token_is_required_on_every_call(syncer, token):
+  core, handle = syncer
+  channel, stub, metadata = _stub(handle, token)
+  before = _comparable(core.state_dict())
+  calls = [
+      lambda: stub.Status(pb.StatusRequest(), metadata=metadata),
+      lambda: stub.Join(pb.JoinRequest(learner_id=0, fingerprint=FP), metadata=metadata),
+      lambda: stub.Push(iter([_header(make_push(core))] + _chunks(make_push(core).payload)), metadata=metadata),
+      lambda: list(stub.Pull(pb.PullRequest(fragment=0), metadata=metadata)),
+  ]
+  for call in calls:
+    with pytest.raises(grpc.RpcError) as info:
+      call()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ("missing run token" if token is None else "invalid run token") in info.value.details()
+  assert _comparable(core.state_dict()) == before
+  assert core.status()["members"] == {}
+  channel.close()
+  with client(handle) as t:  # still serving
+    assert t.join(0, FP) == {0: 0, 1: 0}
+
+
+def test_client_translates_refusals(syncer):
+  core, handle = syncer
+  with client(handle) as t:
+    with pytest.raises(core_lib.Rejected) as info:
+      t.join(0, "another-run")
+    assert info.value.reason == "fingerprint"
+    t.join(0, FP)
+    with pytest.raises(core_lib.Rejected) as info:
+      t.push(make_push(core, checksum=123))
+    assert info.value.reason == "checksum" and "CRC-32" in str(info.value)
+  with grpc_transport.GrpcTransport(f"127.0.0.1:{handle.port}", "bad", 0) as t:
+    with pytest.raises(grpc_transport.AuthError):
+      t.status()
+
+
+def test_rate_limit():
+  core = make_core()
+  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN,
+                            limits=server_lib.Limits(rate_per_s=0.5, rate_burst=3))
+  try:
+    with client(handle) as t:
+      t.join(0, FP)
+      t.heartbeat(0, 0.1)
+      t.heartbeat(0, 0.1)
+      with pytest.raises(grpc_transport.SyncerError) as info:
+        t.heartbeat(0, 0.1)
+      assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with client(handle, learner_id=1) as t:  # per learner: another one is not throttled
+      t.join(1, FP)
+  finally:
+    handle.stop(grace=0)
+
+
+def test_rate_limiter_refills():
+  now = [0.0]
+  limiter = server_lib.RateLimiter(2.0, 2, clock=lambda: now[0])
+  assert [limiter.allow("a") for _ in range(3)] == [True, True, False]
+  assert limiter.allow("b")
+  now[0] += 0.5
+  assert limiter.allow("a") and not limiter.allow("a")
+
+
+def test_refuses_non_loopback_bind_without_allow_remote():
+  with pytest.raises(ValueError, match="not a loopback"):
+    server_lib.serve(make_core(), "0.0.0.0:0", token=TOKEN)
+  assert server_lib.is_loopback("127.0.0.1:5") and server_lib.is_loopback("[::1]:5")
+  assert server_lib.is_loopback("localhost:5") and not server_lib.is_loopback("10.1.2.3:5")
+
+
+def test_retries_until_the_syncer_comes_up():
+  import socket
+
+  with socket.socket() as s:  # a free port, then nobody listens on it
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  t = grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, 0, unreachable_deadline_s=0.6, backoff_s=0.05)
+  start = time.monotonic()
+  with pytest.raises(grpc_transport.SyncerUnreachable, match="unreachable"):
+    t.status()
+  assert time.monotonic() - start < 5.0 and t.retries >= 2
+  t.close()
+  core = make_core()
+  handles = []
+  threading.Timer(0.5, lambda: handles.append(server_lib.serve(core, f"127.0.0.1:{port}", token=TOKEN))).start()
+  with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, 0, unreachable_deadline_s=20.0,
+                                    backoff_s=0.05, max_backoff_s=0.2) as t:
+    assert t.join(0, FP) == {0: 0, 1: 0}
+    assert t.retries >= 1
+  handles[0].stop(grace=0)
+
+
+def test_64mb_fragment_passes_default_limits():
+  n = 16 * 1024 * 1024  # 64 MB of float32
+  core = make_core(sizes=(n,))
+  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)  # default 4 MiB message limits
+  try:
+    with client(handle) as t:
+      t.join(0, FP)
+      delta = np.full(n, 1e-3, np.float32)
+      payload = codec_lib.encode(delta, "fp32", 64)
+      assert len(payload) == 64 << 20
+      t.push(core_lib.Push(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=1, tokens=1,
+                           codec="fp32", payload=payload, checksum=codec_lib.checksum(payload)))
+      published = t.pull(0, 1, timeout_s=30.0)
+      assert published.version == 1 and len(published.payload) == 64 << 20
+      assert published.checksum == codec_lib.checksum(published.payload)
+      assert t.bytes_sent > 64 << 20 and t.bytes_received > 64 << 20
+  finally:
+    handle.stop(grace=0)
+
+
+# --- WAN emulation ----------------------------------------------------------------------------------------
+
+
+def test_token_bucket_arithmetic():
+  now = [0.0]
+  bucket = wan_lib.TokenBucket(rate=1000.0, burst=100.0, clock=lambda: now[0])
+  assert bucket.reserve(100) == 0.0  # the burst
+  assert math.isclose(bucket.reserve(500), 0.5)  # in debt: wait until it is paid
+  assert math.isclose(bucket.reserve(500), 1.0)  # behind the bytes already reserved
+  now[0] = 1.0
+  assert math.isclose(bucket.reserve(0), 0.0)  # paid off by t=1: no wait for nothing
+  now[0] = 10.0
+  assert bucket.reserve(100) == 0.0  # refilled, but never above the burst
+  assert math.isclose(bucket.reserve(100), 0.1)
+
+
+def test_wan_link_latency_once_per_stream():
+  sleeps = []
+  link = wan_lib.WanLink(wan_lib.WanSpec(latency_s=0.05), sleep=sleeps.append)
+  link.send(10, first=True)
+  link.send(10)
+  link.receive(10, first=True)
+  assert sleeps == [0.05, 0.05] and math.isclose(link.delay_s, 0.1)
+
+
+def test_wan_cap_limits_push_throughput(syncer):
+  core, handle = syncer
+  n = 256 * 1024  # floats: 1 MiB of fp32
+  big = make_core(sizes=(n,))
+  handle2 = server_lib.serve(big, "127.0.0.1:0", token=TOKEN)
+  cap = 4e6  # bytes/s
+  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_bytes=16 * 1024))
+  try:
+    with client(handle2) as warm:  # the first outer step compiles: keep that out of the timing
+      warm.join(0, FP)
+      warm.push(make_push(big))
+    with client(handle2, wan=link, chunk_bytes=64 * 1024) as t:
+      t.join(0, FP)
+      push = make_push(big, base_version=1)
+      sent = t.bytes_sent
+      start = time.monotonic()
+      t.push(push)
+      elapsed = time.monotonic() - start
+      rate = (t.bytes_sent - sent) / elapsed
+      assert 0.8 * cap <= rate <= 1.2 * cap, rate
+  finally:
+    handle2.stop(grace=0)
+
+
+# --- TLS ----------------------------------------------------------------------------------------------------
+
+
+def _openssl(*args, cwd):
+  subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+  if shutil.which("openssl") is None:
+    pytest.skip("openssl not installed")
+  d = tmp_path_factory.mktemp("certs")
+  _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+           "-subj", "/CN=test-ca", cwd=d)
+  (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+  for name in ("server", "client"):
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext", cwd=d)
+  return d
+
+
+def test_mutual_tls(certs):
+  core = make_core()
+  tls = server_lib.TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"),
+                             client_ca=str(certs / "ca.pem"))
+  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN, tls=tls)
+  target = f"localhost:{handle.port}"
+  try:
+    with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
+                                      tls_cert=str(certs / "client.pem"),
+                                      tls_key=str(certs / "client.key")) as t:
+      assert t.join(0, FP) == {0: 0, 1: 0}
+    # Without a client certificate the handshake fails (reported as UNAVAILABLE: retried, then given up).
+    with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
+                                      unreachable_deadline_s=0.3, backoff_s=0.1) as t:
+      with pytest.raises(grpc_transport.SyncerUnreachable):
+        t.status()
+    # Plaintext against a TLS server fails too.
+    with grpc_transport.GrpcTransport(target, TOKEN, 0, unreachable_deadline_s=0.3, backoff_s=0.1) as t:
+      with pytest.raises(grpc_transport.SyncerUnreachable):
+        t.status()
+  finally:
+    handle.stop(grace=0)

@@ -1,0 +1,181 @@
+"""Syncer persistence: state dicts through orbax, atomic steps, and a syncer process that resumes."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import codec as codec_lib
+from diloco_jax.syncer import checkpoint
+from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer.policy import QuorumPolicy
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FP = "fp-ckpt"
+
+
+def make_core(sizes=(500, 200)):
+  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec="int8",
+                                     downlink_codec="bf16", policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0),
+                                     fingerprint=FP)
+  return core_lib.SyncerCore(settings, [np.linspace(-1, 1, n, dtype=np.float32) for n in sizes])
+
+
+def push(core, fragment, base_version, scale):
+  n = core.settings.sizes[fragment]
+  payload = codec_lib.encode(np.full(n, scale, np.float32), "int8", 64)
+  core.push(core_lib.Push(learner_id=0, fingerprint=FP, fragment=fragment, base_version=base_version, steps=5,
+                          tokens=100, codec="int8", payload=payload, checksum=codec_lib.checksum(payload)))
+
+
+def assert_same_state(a, b):
+  assert a["versions"] == b["versions"] and a["rounds"] == b["rounds"] and a["counters"] == b["counters"]
+  for x, y in zip(a["fragments"], b["fragments"]):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(a["opt_states"]), jax.tree.leaves(b["opt_states"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_split_join_round_trip():
+  state = {"a": [np.arange(3, dtype=np.int32), (np.float32(2.5), None)], "b": {0: "x", 1: np.ones((2, 2))},
+           "c": {"n": 3, "f": 1.5, "flag": True}}
+  arrays, skeleton = checkpoint.split_state(state)
+  assert len(arrays) == 3
+  import json
+
+  back = checkpoint.join_state(arrays, json.loads(json.dumps(skeleton)))
+  assert back["a"][1][0] == np.float32(2.5) and isinstance(back["a"][1][0], np.float32)
+  assert isinstance(back["a"][1], tuple) and back["b"][0] == "x" and back["c"] == state["c"]
+  np.testing.assert_array_equal(back["b"][1], state["b"][1])
+
+
+def test_save_restore_into_a_new_core(tmp_path):
+  core = make_core()
+  core.join(0, FP)
+  push(core, 0, 0, 0.01)
+  push(core, 0, 1, 0.02)
+  push(core, 1, 0, -0.01)
+  assert core.status()["versions"] == [2, 1]
+  ckpt = checkpoint.SyncerCheckpointer(tmp_path / "ck")
+  assert checkpoint.save_core(ckpt, core, rounds=3) == 1
+  ckpt.close()
+
+  fresh = make_core()
+  reopened = checkpoint.SyncerCheckpointer(tmp_path / "ck")
+  info = checkpoint.restore_core(reopened, fresh)
+  assert info == {"step": 1, "rounds": 3}
+  assert_same_state(fresh.state_dict(), core.state_dict())
+  assert fresh.pull(0, 2).payload == core.pull(0, 2).payload
+  # The restored core carries on exactly like the original (momentum included).
+  for c in (core, fresh):
+    c.join(0, FP)
+    push(c, 0, 2, 0.03)
+  assert_same_state(fresh.state_dict(), core.state_dict())
+  assert checkpoint.restore_core(checkpoint.SyncerCheckpointer(tmp_path / "empty"), make_core()) is None
+
+
+_SAVER = textwrap.dedent("""
+    import sys, numpy as np
+    from diloco_jax.syncer import checkpoint
+    ckpt = checkpoint.SyncerCheckpointer(sys.argv[1], async_save=False)
+    ckpt.save({"fragments": [np.full(10, 1.0, np.float32)], "versions": [1]}, rounds=1)
+    print("saved", flush=True)
+    big = [np.random.default_rng(i).standard_normal(8 << 20).astype(np.float32) for i in range(12)]
+    ckpt.save({"fragments": big, "versions": [2]}, rounds=2)  # killed somewhere in here
+    print("second save finished", flush=True)
+""")
+
+
+def test_crash_mid_save_keeps_the_last_good_step(tmp_path):
+  directory = tmp_path / "ck"
+  proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(directory)], stdout=subprocess.PIPE, text=True,
+                          cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.stdout.readline().strip() == "saved"
+  deadline = time.monotonic() + 60
+  # Kill it as soon as step 2 is being written (a temporary directory next to step 1).
+  while time.monotonic() < deadline and not any("tmp" in p.name for p in directory.iterdir()):
+    time.sleep(0.005)
+  proc.kill()
+  proc.wait()
+  partial = [p.name for p in directory.iterdir() if "tmp" in p.name]
+  ckpt = checkpoint.SyncerCheckpointer(directory)
+  assert ckpt.latest_step() == 1, (partial, os.listdir(directory))
+  state, info = ckpt.restore()
+  assert state["versions"] == [1] and info["rounds"] == 1
+  np.testing.assert_array_equal(state["fragments"][0], np.ones(10, np.float32))
+
+
+def _wait_for(path: pathlib.Path, proc, timeout=120.0):
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    if proc.poll() is not None:
+      raise AssertionError(f"syncer exited with {proc.returncode}: {proc.stdout.read()}")
+    if time.monotonic() > deadline:
+      raise AssertionError(f"{path} did not appear")
+    time.sleep(0.1)
+  return int(path.read_text())
+
+
+@pytest.mark.slow  # two syncer processes start (jax import, model init): ~45 s on 2 cores
+def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
+  from configs import tiny_cpu
+  from diloco_jax import config as config_lib
+  from diloco_jax import fragments
+  from diloco_jax import grpc_transport
+  from diloco_jax import model
+
+  token_file = tmp_path / "token"
+  token_file.write_text("s3cret-token\n")
+  token_file.chmod(0o600)
+  workdir = tmp_path / "syncer"
+  cmd = [sys.executable, "-m", "diloco_jax", "syncer", f"--config={REPO}/configs/tiny_cpu.py",
+         f"--workdir={workdir}", "--bind=127.0.0.1:0", f"--token-file={token_file}",
+         "--config.outer.max_grace_s=0", "--config.outer.min_quorum=1", "--run-id=ckpt-test"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("DILOCO_TOKEN", None)
+
+  config = tiny_cpu.get_config()
+  config.outer.max_grace_s = 0.0
+  fp = config_lib.fingerprint(config, "ckpt-test")
+  plan = fragments.make_plan(model.init_params_host(config), config.outer.num_fragments,
+                             config.outer.sync_every, config.outer.fragment_plan)
+  n = plan.size(0)
+  payload = codec_lib.encode(np.full(n, 1e-3, np.float32), config.outer.codec, config.outer.codec_block)
+
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    port = _wait_for(workdir / "syncer.port", proc)
+    with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 0) as t:
+      assert t.join(0, fp) == {0: 0, 1: 0}
+      t.push(core_lib.Push(learner_id=0, fingerprint=fp, fragment=0, base_version=0, steps=10, tokens=640,
+                           codec=config.outer.codec, payload=payload, checksum=codec_lib.checksum(payload)))
+      published = t.pull(0, 1, timeout_s=10.0)
+      assert published.version == 1
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "final checkpoint step 1" in out, out
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+  (workdir / "syncer.port").unlink()
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    port = _wait_for(workdir / "syncer.port", proc)
+    with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 1) as t:
+      assert t.join(1, fp) == {0: 1, 1: 0}
+      assert t.pull(0, 1).payload == published.payload
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "resumed from checkpoint step 1" in out, out
+  finally:
+    if proc.poll() is None:
+      proc.kill()
