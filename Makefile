@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Local runs emulate 8 accelerators with fake CPU devices (4 learners x 2 devices by default).
+FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: run test test-slow bench clean
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 
 # The default job: see README.md.
 run: $(STAMP)
-	$(PY) -m diloco_jax train --config configs/small_cpu.py --workdir runs/default
+	$(FAKE_DEVICES) $(PY) -m diloco_jax train --config configs/small_cpu.py --workdir runs/default
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -24,7 +26,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
-	$(PY) -m diloco_jax bench step --config configs/small_cpu.py
+	$(FAKE_DEVICES) $(PY) -m diloco_jax bench step --config configs/small_cpu.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -6,19 +6,30 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 from typing import Any
 
 import orbax.checkpoint as ocp
 
 
-class TrainCheckpointer:
-  """Saves and restores (state, data_state, meta) under `directory`, keeping the newest `keep`."""
+# Several managers saving the same step at once from threads of one process (the in-process learners)
+# trip over each other's temporary directories in orbax; such saves go one at a time.
+_THREADED_SAVES = threading.Lock()
 
-  def __init__(self, directory: str | os.PathLike, keep: int = 2):
+
+class TrainCheckpointer:
+  """Saves and restores (state, data_state, meta) under `directory`, keeping the newest `keep`.
+
+  `async_save=False` makes each save complete before `save` returns, one at a time per process: for
+  several trainers sharing a process (the in-process learners).
+  """
+
+  def __init__(self, directory: str | os.PathLike, keep: int = 2, async_save: bool = True):
     self.directory = pathlib.Path(directory).absolute()
+    self._async = async_save
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                              create=True),
     )
 
@@ -26,12 +37,21 @@ class TrainCheckpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
-    """Starts an async save; the arrays are copied off the device before this returns."""
-    self._manager.save(step, args=ocp.args.Composite(
+    """Saves `step` (once: a step already saved is skipped). Async saves copy the arrays off the device
+    before returning and finish in the background."""
+    if self._manager.latest_step() == step:
+      return
+    args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta),
-    ))
+    )
+    if self._async:
+      self._manager.save(step, args=args)
+      return
+    with _THREADED_SAVES:
+      self._manager.save(step, args=args)
+      self._manager.wait_until_finished()
 
   def restore(self, abstract_state: Any) -> tuple[Any, dict, dict] | None:
     """The latest checkpoint restored into the shardings of `abstract_state`, or None if there is none."""

@@ -3,6 +3,8 @@ overrides (ml_collections config_flags), validated before anything compiles."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import sys
 from typing import Callable
 
@@ -20,6 +22,21 @@ class UsageError(SystemExit):
     super().__init__(2)
 
 
+CACHE_ENV = "DILOCO_JAX_CACHE"
+
+
+def enable_compilation_cache() -> None:
+  """Reuse compiled XLA programs across runs (the same shapes recompile in seconds otherwise, minutes on
+  big models). Directory: $DILOCO_JAX_CACHE, default ~/.cache/diloco_jax/xla; set it empty to disable."""
+  import jax
+
+  path = os.environ.get(CACHE_ENV, str(pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"))
+  if path:
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
           config_required: bool = True) -> flags.FlagValues:
   """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
@@ -27,6 +44,7 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
   message naming the field.
   """
+  enable_compilation_cache()
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py).",
                                   flag_values=fv, lock_config=True, sys_argv=argv)

@@ -79,7 +79,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.merge = "tokens"
   c.outer.rda = False
   c.outer.staleness_beta = 0.0  # late pushes weighted by (1 + staleness) ** -beta
-  c.outer.codec = "int4"
+  c.outer.codec = "int4"  # uplink: the learners' outer gradients
+  c.outer.downlink_codec = "fp32"  # the global fragments sent back
   c.outer.codec_block = 64
   c.outer.fragment_plan = "strided"
   c.outer.min_quorum = 1  # K
@@ -88,6 +89,26 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.max_grace_s = 5.0
   c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+
+  c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
+  c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
+  c.comms.unreachable_deadline_s = 300.0  # keep retrying an unreachable syncer this long, then fail
+  c.comms.backoff_s = 0.1  # first retry delay; doubles up to max_backoff_s
+  c.comms.max_backoff_s = 5.0
+  c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
+  c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
+  c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
+
+  c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
+  c.syncer.chunk_kb = 1024  # Pull chunk size
+  c.syncer.max_message_mb = 4  # gRPC message size limit, both ways
+  c.syncer.max_push_mb = 2048  # declared size of one Push (also capped by the largest fragment in fp32)
+  c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
+  c.syncer.rate_limit_burst = 200.0
+  c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
+  c.syncer.keep_checkpoints = 3
+  c.syncer.shutdown_grace_s = 2.0  # in-flight calls get this long after SIGTERM/SIGINT
   return c
 
 
@@ -147,8 +168,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     if o.num_fragments > o.sync_every:
       _fail("outer.num_fragments", f"({o.num_fragments}) must be <= outer.sync_every ({o.sync_every}) "
             "so that fragment offsets are distinct")
-    if o.codec not in CODECS:
-      _fail("outer.codec", f"must be one of {CODECS}, got {o.codec!r}")
+    for field in ("codec", "downlink_codec"):
+      if o[field] not in CODECS:
+        _fail(f"outer.{field}", f"must be one of {CODECS}, got {o[field]!r}")
     if o.merge not in MERGE_RULES:
       _fail("outer.merge", f"must be one of {MERGE_RULES}, got {o.merge!r}")
     if o.fragment_plan not in FRAGMENT_PLANS:

@@ -37,10 +37,11 @@ class MeshTrainer:
     workdir: where checkpoints go (`<workdir>/checkpoints`); None disables checkpoints.
     batch_size: sequences per step for this replica.
     num_shards / shard_index: this replica's disjoint data shard.
+    async_checkpoints: False for trainers that share a process (see `TrainCheckpointer`).
   """
 
   def __init__(self, config, devices: Sequence[jax.Device], workdir: str | os.PathLike | None, *,
-               batch_size: int, num_shards: int = 1, shard_index: int = 0):
+               batch_size: int, num_shards: int = 1, shard_index: int = 0, async_checkpoints: bool = True):
     self.config = config
     self.mesh = mesh_lib.make_mesh(devices, mesh_lib.mesh_axes_from_config(config))
     self.graphdef, self.state, self.shardings = inner.init_state(config, self.mesh)
@@ -55,7 +56,8 @@ class MeshTrainer:
     self.checkpointer = None
     if workdir is not None:
       self.checkpointer = checkpoint_lib.TrainCheckpointer(pathlib.Path(workdir) / "checkpoints",
-                                                           keep=config.train.keep_checkpoints)
+                                                           keep=config.train.keep_checkpoints,
+                                                           async_save=async_checkpoints)
     self.last_metrics = None
 
   @property
@@ -99,9 +101,10 @@ class MeshTrainer:
     return metrics
 
   def evaluate(self, params=None) -> float:
-    """Mean loss over the held-out eval batches (the same batches every time)."""
+    """Mean loss over the held-out eval batches (the same batches every time, in every replica)."""
     if self._eval_batches is None:
-      host = data_lib.eval_batches(self.config.data, batch_size=self.batch_size,
+      # The same eval set for every replica, whatever its train batch: data.global_batch sequences a batch.
+      host = data_lib.eval_batches(self.config.data, batch_size=self.config.data.global_batch,
                                    num_batches=self.config.data.eval_batches)
       self._eval_batches = [inner.put_batch(b["tokens"], self.mesh) for b in host]
     params = self.state.params if params is None else params

@@ -13,6 +13,12 @@ import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# Compiled programs are cached across tests (and across runs, by the CLI's default cache): most tests
+# build the same tiny model, and on 2 cores compiling is most of their time.
+from diloco_jax import cli  # noqa: E402
+
+cli.enable_compilation_cache()
+
 
 @pytest.fixture
 def tiny_config():
