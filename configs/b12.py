@@ -1,0 +1,48 @@
+"""~12B-parameter model (12.1B: 44 layers x 5120 wide, 40 query / 8 key-value heads of 128, SwiGLU 13824)
+for a TPU v5p slice: 8 learners of 64 chips each, each learner's mesh fsdp=16 x tensor=4 (heads, kv heads,
+MLP and vocab split 4 ways; the model dimension 16 ways).
+
+The vocabulary is the byte-level 256 of the embedded corpus; a tokenizer-backed `data.path` with e.g.
+`--config.model.vocab_size=32000` would add 164M embedding parameters (tied).
+Token budget: 120,000 steps x 1,024 x 2,048 = 252B tokens (~20 tokens/parameter).
+
+Run (on the TPU VM hosts; 8 learners x 64 chips = 512 chips, e.g. 8 x v5p-128):
+  python -m diloco_jax train --config configs/b12.py --workdir gs://BUCKET/runs/b12
+  python -m diloco_jax baseline --config configs/b12.py --workdir gs://BUCKET/runs/b12_dp
+  python -m diloco_jax bench step --config configs/b12.py --devices 64
+"""
+
+from diloco_jax.config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.model.vocab_size = 256
+  c.model.d_model = 5120
+  c.model.num_layers = 44
+  c.model.num_heads = 40
+  c.model.num_kv_heads = 8
+  c.model.head_dim = 128
+  c.model.mlp_dim = 13824
+  c.model.max_seq_len = 2048
+  c.model.dtype = "bfloat16"
+  c.model.remat = True
+  c.data.seq_len = 2048
+  c.data.global_batch = 1024  # 2M tokens per step over all learners
+  c.data.eval_batches = 8
+  c.train.steps = 120_000
+  c.train.lr = 1.5e-4
+  c.train.warmup_steps = 2_000
+  c.train.log_every = 50
+  c.train.eval_every = 2_000
+  c.train.checkpoint_every = 1_000
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 4
+  c.learners.num = 8
+  c.learners.devices = 64
+  c.outer.num_fragments = 4
+  c.outer.sync_every = 100
+  c.outer.codec = "int4"
+  c.outer.max_grace_s = 120.0  # a fragment of ~3B params is GBs even at int4
+  return c

@@ -1,0 +1,171 @@
+"""Shipped configs load, validate and have the sizes they claim; bad configs fail early, naming the field.
+
+The big configs (m150, b1, b12) are only ever built abstractly here: shapes, never arrays.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from diloco_jax import config as config_lib
+from diloco_jax import fragments
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import model as model_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
+# Nominal sizes of the big configs, in parameters; the abstract count must be within 20%.
+NOMINAL_PARAMS = {"m150": 150e6, "b1": 1e9, "b12": 12e9}
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _one_device_mesh():
+  return mesh_lib.make_mesh(jax.devices()[:1], {"data": 1, "fsdp": 1, "tensor": 1})
+
+
+def test_every_nominal_config_is_shipped():
+  names = {p.stem for p in CONFIG_FILES}
+  assert {"tiny_cpu", "small_cpu", *NOMINAL_PARAMS} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_config_loads_and_validates(path):
+  module = _load(path)
+  assert "python -m diloco_jax" in (module.__doc__ or ""), "the docstring must hold the run command"
+  assert f"configs/{path.name}" in module.__doc__, "the docstring's command must name this file"
+  c = module.get_config()
+  # Every field a config sets must already exist in base_config: no typo silently adds a new one.
+  base = config_lib.base_config()
+  for section, fields in c.items():
+    if hasattr(fields, "keys"):
+      assert set(fields.keys()) == set(base[section].keys()), section
+  config_lib.validate(c, num_devices=None, learners=True)
+  config_lib.validate(c, num_devices=None, learners=False)
+  # On exactly the devices it asks for, the learner meshes and the baseline mesh both work out.
+  devices = c.learners.num * c.learners.devices
+  config_lib.validate(c, num_devices=devices, learners=True)
+  config_lib.validate(c, num_devices=devices, learners=False)
+
+
+@pytest.mark.parametrize("name", sorted(NOMINAL_PARAMS))
+def test_big_config_sizes_are_abstract_and_nominal(name):
+  c = _load(REPO / "configs" / f"{name}.py").get_config()
+  live_before = len(jax.live_arrays())
+  _, abstract = model_lib.abstract_model(c.model, _one_device_mesh())
+  leaves = jax.tree.leaves(abstract)
+  assert leaves and all(type(x) is jax.ShapeDtypeStruct for x in leaves)
+  assert len(jax.live_arrays()) == live_before, "building the abstract model allocated device arrays"
+  n = model_lib.count_params(abstract)
+  nominal = NOMINAL_PARAMS[name]
+  assert 0.8 * nominal <= n <= 1.2 * nominal, f"{name}: {n / 1e6:.1f}M params, nominal {nominal / 1e6:.0f}M"
+  # The docstring states the count (to 3 significant figures, in M or B).
+  doc = _load(REPO / "configs" / f"{name}.py").__doc__
+  stated = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"
+  assert stated in doc, f"{name}: docstring should state {stated}"
+
+  # Every sharded dimension divides evenly over its axis on the real learner mesh (no padded shards).
+  sizes = mesh_lib.resolve_axis_sizes(mesh_lib.mesh_axes_from_config(c), c.learners.devices)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+    for dim, axis in zip(leaf.shape, leaf.sharding.spec):
+      if axis is not None:
+        assert dim % sizes[axis] == 0, f"{jax.tree_util.keystr(path)}: {dim} over {axis}={sizes[axis]}"
+
+  # The fragment plan the learners will build splits these parameters into non-empty fragments.
+  plan = fragments.make_plan(abstract, c.outer.num_fragments, c.outer.sync_every, c.outer.fragment_plan)
+  assert plan.num_fragments == c.outer.num_fragments
+  assert sum(len(p) for p in plan.paths) == len(leaves)
+
+
+def test_big_configs_are_accelerator_shaped():
+  for name in NOMINAL_PARAMS:
+    c = _load(REPO / "configs" / f"{name}.py").get_config()
+    assert c.data.seq_len == 2048 and c.model.max_seq_len >= 2048, name
+    assert c.model.dtype == "bfloat16" and c.model.remat, name
+    assert c.learners.num >= 2, name
+
+
+BAD_OVERRIDES = {
+    "--config.train.stepz=3": "stepz",  # no such field
+    "--config.train.steps=abc": "train.steps",  # wrong type
+    "--config.data.global_batch=12": "data.global_batch",  # 12 does not split over 8 data-parallel ways
+    "--config.mesh.num_devices=16": "mesh.num_devices",  # only 8 devices exist
+}
+_NEVER_WRITTEN = "/tmp/diloco_test_configs_never_written"
+
+
+@pytest.fixture(scope="module")
+def bad_override_runs():
+  """Each bad override's baseline command, all started at once (most of each run is importing jax)."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  procs = {
+      override: subprocess.Popen(
+          [sys.executable, "-m", "diloco_jax", "baseline", "--config", "configs/tiny_cpu.py", override,
+           "--workdir", _NEVER_WRITTEN],
+          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for override in BAD_OVERRIDES
+  }
+  results = {}
+  for override, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=180)
+    results[override] = (proc.returncode, stdout, stderr)
+  return results
+
+
+@pytest.mark.parametrize("override", sorted(BAD_OVERRIDES))
+def test_bad_override_exits_2_naming_the_field(bad_override_runs, override):
+  returncode, stdout, stderr = bad_override_runs[override]
+  assert returncode == 2, (returncode, stderr[-2000:])
+  assert BAD_OVERRIDES[override] in stderr, stderr[-2000:]
+  assert "Traceback" not in stderr, stderr[-2000:]
+  # It failed before training: the baseline never announced its model, never wrote metrics.
+  assert "baseline:" not in stdout
+  assert not os.path.exists(os.path.join(_NEVER_WRITTEN, "metrics.jsonl"))
+
+
+def _expect_error(c, field, **kwargs):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c, **kwargs)
+  assert f"config.{field}" in str(e.value)
+
+
+def test_validate_rejects_kv_heads_not_dividing_heads(tiny_config):
+  tiny_config.model.num_heads, tiny_config.model.num_kv_heads = 4, 3
+  _expect_error(tiny_config, "model.num_kv_heads")
+
+
+def test_validate_rejects_tensor_not_dividing_kv_heads(tiny_config):
+  tiny_config.model.num_kv_heads = 2
+  tiny_config.mesh.tensor = 4
+  _expect_error(tiny_config, "mesh.tensor")
+
+
+def test_validate_rejects_quorum_above_learners(tiny_config):
+  tiny_config.outer.min_quorum = tiny_config.learners.num + 1
+  _expect_error(tiny_config, "outer.min_quorum", learners=True)
+  config_lib.validate(tiny_config, learners=False)  # the baseline has no quorum
+
+
+def test_validate_rejects_unknown_codec(tiny_config):
+  tiny_config.outer.codec = "int3"
+  _expect_error(tiny_config, "outer.codec", learners=True)
+
+
+def test_validate_rejects_two_fill_axes(tiny_config):
+  tiny_config.mesh.data, tiny_config.mesh.fsdp = -1, -1
+  _expect_error(tiny_config, "mesh.fsdp")
+
+
+def test_validate_rejects_learners_beyond_devices(tiny_config):
+  tiny_config.learners.num, tiny_config.learners.devices = 4, 4
+  _expect_error(tiny_config, "learners.devices", num_devices=8, learners=True)
