@@ -31,4 +31,7 @@ def get_config():
   c.outer.num_fragments = 2
   c.outer.sync_every = 10
   c.outer.max_grace_s = 0.5
+  c.outer.downlink_codec = "int4"
+  c.outer.lr = 0.5
+  c.outer.momentum = 0.8
   return c

@@ -74,6 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.sync_every = 20  # H: inner steps between two syncs of the same fragment
   c.outer.tau = 2  # overlap: adopt the merged fragment >= tau steps after the snapshot
   c.outer.alpha = 0.0  # theta <- alpha * theta + (1 - alpha) * global (0 = overwrite)
+  c.outer.keep_local_progress = True  # adoption keeps the inner steps taken since the snapshot
   c.outer.lr = 0.7
   c.outer.momentum = 0.9
   c.outer.merge = "tokens"
@@ -83,7 +84,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.downlink_codec = "fp32"  # the global fragments sent back
   c.outer.codec_block = 64
   c.outer.fragment_plan = "strided"
-  c.outer.min_quorum = 1  # K
+  c.outer.min_quorum = 0  # K; 0 = every live learner (a dead one stops counting once its lease lapses)
+  c.outer.scale_partial_rounds = True  # a round merged from k of n live learners moves the model k/n as far
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
   c.outer.max_grace_s = 5.0
@@ -177,8 +179,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.fragment_plan", f"must be one of {FRAGMENT_PLANS}, got {o.fragment_plan!r}")
     if not 0.0 <= o.alpha < 1.0:
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
-    if o.min_quorum < 1 or o.min_quorum > c.learners.num:
-      _fail("outer.min_quorum", f"must be in [1, learners.num={c.learners.num}], got {o.min_quorum}")
+    if o.min_quorum < 0 or o.min_quorum > c.learners.num:
+      _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
     if o.max_in_flight < 1:
       _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
     if o.codec_block < 1:

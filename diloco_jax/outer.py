@@ -160,3 +160,16 @@ def state_from_numpy(tx: optax.GradientTransformation, global_vec: np.ndarray, s
     if np.shape(got) != np.shape(want):
       raise ValueError(f"saved outer state array of shape {np.shape(got)}, expected {np.shape(want)}")
   return jax.device_put(jax.tree.unflatten(treedef, leaves), _cpu())
+
+
+def participation(contributors: int, live_learners: int) -> float:
+  """The share of the live learners a round merged: k / n, capped at 1 (a learner whose lease lapsed
+  after it pushed still counts as a contributor).
+
+  Scaling a round's merged outer gradient by it makes quorum K < M sound: when the M learners' pushes
+  arrive in several rounds instead of one, their outer gradients still enter the outer optimizer with the
+  same total weight (about 1), instead of each single-learner round taking a full Nesterov step.
+  """
+  if contributors <= 0:
+    return 0.0
+  return min(1.0, contributors / max(live_learners, 1))

@@ -27,7 +27,10 @@ class Transport(Protocol):
   def push(self, push: Push) -> PushReceipt:
     ...
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float) -> Published | None:
+  def pull(self, fragment: int, min_version: int, timeout_s: float, have_version: int = -1) -> Published | None:
+    """The fragment once its version >= min_version (None after `timeout_s`). `have_version`: the version
+    whose reference the learner holds (-1: none); the answer is a delta from it when the syncer has one
+    (`Published.kind`), else the full fragment."""
     ...
 
   def heartbeat(self, learner_id: int, step_time_s: float) -> None:
@@ -58,8 +61,9 @@ class InProcessTransport:
       self.bytes_sent += len(push.payload)
     return self.core.push(push)
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0) -> Published | None:
-    published = self.core.pull(fragment, min_version, timeout_s)
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0,
+           have_version: int = -1) -> Published | None:
+    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version)
     if published is not None:
       with self._lock:
         self.bytes_received += len(published.payload)

@@ -116,6 +116,38 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
                                                   timeout_s=0.0).ByteSize() + frame
 
 
+def test_delta_downlink_over_the_wire():
+  # int4 downlink: a learner that says it holds version 0 gets the int4 delta from R_0, with kind and
+  # base_version in the header; one that holds nothing gets the full fp32 reference.
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(1000,), codec="fp32", downlink_codec="int4",
+                                     block=64, policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0),
+                                     fingerprint=FP)
+  r0 = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+  core = core_lib.SyncerCore(settings, [r0])
+  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)
+  try:
+    with client(handle) as t:
+      t.join(0, FP)
+      t.push(make_push(core))
+      sent0 = t.bytes_sent
+      delta = t.pull(0, 1, timeout_s=5.0, have_version=0)
+      assert t.bytes_sent - sent0 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
+                                                    timeout_s=5.0, have_version=0).ByteSize() + 5
+      assert (delta.kind, delta.base_version, delta.version, delta.codec) == ("delta", 0, 1, "int4")
+      assert len(delta.payload) == codec_lib.encoded_size(1000, "int4", 64)
+      version, ref = core.reference(0)
+      assert version == 1
+      np.testing.assert_array_equal(r0 + codec_lib.decode(delta.payload, "int4", 1000, 64), ref)
+      full = t.pull(0, 1, have_version=-1)
+      assert (full.kind, full.base_version, full.codec) == ("full", -1, "fp32")
+      np.testing.assert_array_equal(codec_lib.decode(full.payload, "fp32", 1000), ref)
+      assert t.pull(0, 1, have_version=1).kind == "full"  # nothing newer than what it holds: full
+    counters = core.status()["counters"]
+    assert counters["pulls_delta"] == 1 and counters["pulls_full"] == 2
+  finally:
+    handle.stop(grace=0)
+
+
 # --- bad input over the wire ----------------------------------------------------------------------------
 
 

@@ -301,7 +301,8 @@ def test_in_process_transport_two_threads():
         payload = codec.encode(np.full(n, i + 1.0, np.float32), "int8", 8)
         t.push(core_lib.Push(i, FP, p, 0, 5, 50, "int8", payload, codec.checksum(payload)))
         sent += len(payload)
-      pulled = [t.pull(p, 1, timeout_s=10.0) for p in range(2)]
+      # Both hold the version-0 reference: the answers are bf16 deltas from it.
+      pulled = [t.pull(p, 1, timeout_s=10.0, have_version=0) for p in range(2)]
       results[i] = (t.bytes_sent, sent, t.bytes_received, sum(len(x.payload) for x in pulled), pulled)
     except Exception as e:  # noqa: BLE001 - surfaced below
       errors.append(e)
@@ -317,7 +318,9 @@ def test_in_process_transport_two_threads():
     assert bytes_sent == sent == codec.encoded_size(40, "int8", 8) + codec.encoded_size(24, "int8", 8)
     assert bytes_received == received == 2 * 40 + 2 * 24
     assert [x.version for x in pulled] == [1, 1]
-    # Both contributions merged (equal tokens): the mean delta is 1.5, lr 0.7 from zero momentum.
+    assert [(x.kind, x.base_version) for x in pulled] == [("delta", 0), ("delta", 0)]
+    # Both contributions merged (equal tokens): the mean delta is 1.5, lr 0.7 from zero momentum; the
+    # initial fragment is zero, so the delta is the new fragment.
     got = codec.decode(pulled[0].payload, "bf16", 40)
     np.testing.assert_allclose(got, -0.7 * (1.5 + 0.9 * 1.5), rtol=1e-2)
   assert core.counters["bytes_in"] == 2 * results[0][1]
@@ -352,11 +355,12 @@ def test_settings_from_config_and_status_is_json():
                                                                   1: {"w": np.zeros((3, 3))}}}
   plan = fragments.make_plan(params, 2, cfg.outer.sync_every)
   s = core_lib.SyncerSettings.from_config(cfg, plan, "fp")
-  assert s.sizes == (21, 9) and s.codec == s.downlink_codec == "int8" and s.block == 64
+  # The downlink defaults to fp32 (the weights themselves are never quantized for learners).
+  assert s.sizes == (21, 9) and s.codec == "int8" and s.downlink_codec == "fp32" and s.block == 64
   assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, min_grace_s=0.0, max_grace_s=5.0)
   assert (s.merge_rule, s.outer_lr, s.outer_momentum, s.lease_s) == ("tokens_sq_per_step", 0.7, 0.9, 30.0)
-  cfg.outer.downlink_codec = "fp32"
-  assert core_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "fp32"
+  cfg.outer.downlink_codec = "int4"
+  assert core_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "int4"
   c, clock = make_core(num_learners=2, k=2)
   c.push(make_push(0, np.ones(8)))
   status = json.loads(json.dumps(c.status()))

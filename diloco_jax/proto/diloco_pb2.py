@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\x06\x64iloco\"6\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"u\n\x0cJoinResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".diloco.JoinResponse.VersionsEntry\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"7\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xb1\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x12\n\ntotal_size\x18\t \x01(\x04\"Y\n\tPushChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"=\n\x0cPushResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04late\x18\x03 \x01(\x08\"p\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"s\n\nPullHeader\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x12\n\ntotal_size\x18\x06 \x01(\x04\"Y\n\tPullChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"P\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd1\x02\n\x06Syncer\x12\x31\n\x04Join\x12\x13.diloco.JoinRequest\x1a\x14.diloco.JoinResponse\x12\x34\n\x05Leave\x12\x14.diloco.LeaveRequest\x1a\x15.diloco.LeaveResponse\x12\x31\n\x04Push\x12\x11.diloco.PushChunk\x1a\x14.diloco.PushResponse(\x01\x12\x30\n\x04Pull\x12\x13.diloco.PullRequest\x1a\x11.diloco.PullChunk0\x01\x12@\n\tHeartbeat\x12\x18.diloco.HeartbeatRequest\x1a\x19.diloco.HeartbeatResponse\x12\x37\n\x06Status\x12\x15.diloco.StatusRequest\x1a\x16.diloco.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\x06\x64iloco\"6\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"u\n\x0cJoinResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".diloco.JoinResponse.VersionsEntry\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"7\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xb1\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x12\n\ntotal_size\x18\t \x01(\x04\"Y\n\tPushChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"=\n\x0cPushResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04late\x18\x03 \x01(\x08\"\x9c\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x19\n\x0chave_version\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_have_version\"\x97\x01\n\nPullHeader\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x12\n\ntotal_size\x18\x06 \x01(\x04\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\x03\"Y\n\tPullChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"P\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd1\x02\n\x06Syncer\x12\x31\n\x04Join\x12\x13.diloco.JoinRequest\x1a\x14.diloco.JoinResponse\x12\x34\n\x05Leave\x12\x14.diloco.LeaveRequest\x1a\x15.diloco.LeaveResponse\x12\x31\n\x04Push\x12\x11.diloco.PushChunk\x1a\x14.diloco.PushResponse(\x01\x12\x30\n\x04Pull\x12\x13.diloco.PullRequest\x1a\x11.diloco.PullChunk0\x01\x12@\n\tHeartbeat\x12\x18.diloco.HeartbeatRequest\x1a\x19.diloco.HeartbeatResponse\x12\x37\n\x06Status\x12\x15.diloco.StatusRequest\x1a\x16.diloco.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,20 +49,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHCHUNK']._serialized_end=542
   _globals['_PUSHRESPONSE']._serialized_start=544
   _globals['_PUSHRESPONSE']._serialized_end=605
-  _globals['_PULLREQUEST']._serialized_start=607
-  _globals['_PULLREQUEST']._serialized_end=719
-  _globals['_PULLHEADER']._serialized_start=721
-  _globals['_PULLHEADER']._serialized_end=836
-  _globals['_PULLCHUNK']._serialized_start=838
-  _globals['_PULLCHUNK']._serialized_end=927
-  _globals['_HEARTBEATREQUEST']._serialized_start=929
-  _globals['_HEARTBEATREQUEST']._serialized_end=1009
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1011
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1030
-  _globals['_STATUSREQUEST']._serialized_start=1032
-  _globals['_STATUSREQUEST']._serialized_end=1047
-  _globals['_STATUSRESPONSE']._serialized_start=1049
-  _globals['_STATUSRESPONSE']._serialized_end=1079
-  _globals['_SYNCER']._serialized_start=1082
-  _globals['_SYNCER']._serialized_end=1419
+  _globals['_PULLREQUEST']._serialized_start=608
+  _globals['_PULLREQUEST']._serialized_end=764
+  _globals['_PULLHEADER']._serialized_start=767
+  _globals['_PULLHEADER']._serialized_end=918
+  _globals['_PULLCHUNK']._serialized_start=920
+  _globals['_PULLCHUNK']._serialized_end=1009
+  _globals['_HEARTBEATREQUEST']._serialized_start=1011
+  _globals['_HEARTBEATREQUEST']._serialized_end=1091
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1093
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1112
+  _globals['_STATUSREQUEST']._serialized_start=1114
+  _globals['_STATUSREQUEST']._serialized_end=1129
+  _globals['_STATUSRESPONSE']._serialized_start=1131
+  _globals['_STATUSRESPONSE']._serialized_end=1161
+  _globals['_SYNCER']._serialized_start=1164
+  _globals['_SYNCER']._serialized_end=1501
 # @@protoc_insertion_point(module_scope)

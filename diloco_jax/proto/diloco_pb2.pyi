@@ -82,34 +82,40 @@ class PushResponse(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s")
+    __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s", "have_version")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     fragment: int
     min_version: int
     timeout_s: float
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    have_version: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., have_version: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("found", "fragment", "version", "codec", "checksum", "total_size")
+    __slots__ = ("found", "fragment", "version", "codec", "checksum", "total_size", "kind", "base_version")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     found: bool
     fragment: int
     version: int
     codec: str
     checksum: int
     total_size: int
-    def __init__(self, found: _Optional[bool] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ...) -> None: ...
+    kind: str
+    base_version: int
+    def __init__(self, found: _Optional[bool] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data", "offset")

@@ -17,11 +17,27 @@ where step_time is `estimate_step_time` of the live learners' reported step time
 average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
 early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
 Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), Nesterov outer step, version += 1, the new global
-fragment encoded once with the downlink codec, and waiting pulls are woken. A contribution that arrives
+(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
+gradient scaled by `outer.participation` (k of n live learners -> k/n), Nesterov outer step, version += 1, the new global
+fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
 after its round's deadline goes into the next round (never lost); one based on an older version ("late")
 is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
 contributions merged (quorum counts it once).
+
+Downlink. With `downlink_codec` "fp32" every pull answers the global fragment Theta_v itself (kind
+"full"). With a lossy downlink codec the syncer never quantizes the weights: it publishes the quantized
+*change* of what learners hold ("reference-tracking delta"). It keeps, per fragment, the reference R_v:
+exactly (bitwise, float32) what a learner holds after adopting version v, with R_0 = Theta_0 (learners build
+the initial fragment bitwise-identically from the seed). On each commit
+
+    payload_v = encode(Theta_v - R_{v-1}, downlink_codec),   R_v = R_{v-1} + decode(payload_v)
+
+(one float32 numpy add, which the learner repeats on its device with the same IEEE rounding). The
+quantization residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most
+one quantization error of one delta instead of drifting. A pull that says it holds R_{v-1}
+(`have_version == v - 1`) gets the delta (kind "delta", `base_version` v - 1); any other gets R_v in fp32
+(kind "full": joins, restarts, learners that fell more than one version behind). Only the latest delta is
+kept, so the syncer holds about Theta, momentum, R and a cached full payload per fragment.
 
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
@@ -80,13 +96,20 @@ class PushReceipt:
 
 @dataclasses.dataclass(frozen=True)
 class Published:
-  """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`."""
+  """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`.
+
+  kind "full": the decoded vector is the fragment at `version` (R_version; Theta_version with an fp32
+  downlink). kind "delta": it is R_version - R_base_version, to be added (one float32 add) to the reference
+  the learner holds, which must be the one of `base_version` (= version - 1).
+  """
 
   fragment: int
   version: int
   codec: str
   payload: bytes
   checksum: int
+  kind: str = "full"  # "full" | "delta"
+  base_version: int = -1  # for a delta: the version whose reference it applies to; -1 for a full fragment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +129,7 @@ class SyncerSettings:
   policy: QuorumPolicy = QuorumPolicy()
   lease_s: float = 30.0
   fingerprint: str = ""
+  scale_partial_rounds: bool = False
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -140,10 +164,11 @@ class SyncerSettings:
         staleness_beta=float(o.staleness_beta),
         outer_lr=float(o.lr),
         outer_momentum=float(o.momentum),
-        policy=QuorumPolicy(min_quorum=o.min_quorum, tau=o.tau, gamma=o.grace_gamma,
+        policy=QuorumPolicy(min_quorum=o.min_quorum or config.learners.num, tau=o.tau, gamma=o.grace_gamma,
                             min_grace_s=o.min_grace_s, max_grace_s=o.max_grace_s),
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
+        scale_partial_rounds=bool(o.get("scale_partial_rounds", False)),
     )
 
 
@@ -189,6 +214,8 @@ def _new_counters() -> dict[str, Any]:
       "tokens_merged": 0,
       "bytes_in": 0,
       "bytes_out": 0,
+      "pulls_full": 0,
+      "pulls_delta": 0,
       "joins": 0,
       "leaves": 0,
       "leases_expired": 0,
@@ -219,13 +246,18 @@ class SyncerCore:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
     self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
+    # The references R_v (see the module docstring). With an fp32 downlink R_v is Theta_v itself, shared.
+    self._delta_downlink = settings.downlink_codec != "fp32"
+    self._refs = [g.copy() if self._delta_downlink else g for g in self._globals]
+    self._deltas: list[Published | None] = [None] * settings.num_fragments  # the latest version's delta
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
     self.counters = _new_counters()
-    self._published = [self._publish(p) for p in range(settings.num_fragments)]
+    # The full answer per fragment; built lazily with a delta downlink (only joins and laggards need it).
+    self._full: list[Published | None] = [self._publish_full(p) for p in range(settings.num_fragments)]
 
   # ---- membership ----
 
@@ -385,11 +417,13 @@ class SyncerCore:
                                   staleness=[self._versions[p] - c.base_version for c in cs],
                                   beta=s.staleness_beta)
     merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    if s.scale_partial_rounds:
+      merged = merged * outer.participation(len(rnd.contributors()), len(self._live(started)))
     self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
                                                              merged)
     self._versions[p] += 1
     self._rounds[p] += 1
-    self._published[p] = self._publish(p)
+    self._commit_downlink_locked(p)
     took = self.clock() - started
     first = self._t_sync[p] == 0.0
     self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
@@ -397,11 +431,41 @@ class SyncerCore:
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
 
-  def _publish(self, p: int) -> Published:
+  def _commit_downlink_locked(self, p: int) -> None:
+    """Publish the fragment's new version: the full fp32 Theta_v, or the delta from R_{v-1} and R_v."""
     s = self.settings
-    payload = codec_lib.encode(self._globals[p], s.downlink_codec, s.block)
-    return Published(fragment=p, version=self._versions[p], codec=s.downlink_codec, payload=payload,
+    if not self._delta_downlink:
+      self._refs[p] = self._globals[p]
+      self._full[p] = self._publish_full(p)
+      return
+    version = self._versions[p]
+    payload = codec_lib.encode(self._globals[p] - self._refs[p], s.downlink_codec, s.block)
+    self._refs[p] = self._refs[p] + codec_lib.decode(payload, s.downlink_codec, s.sizes[p], s.block)
+    self._deltas[p] = Published(fragment=p, version=version, codec=s.downlink_codec, payload=payload,
+                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1)
+    self._full[p] = None
+
+  def _publish_full(self, p: int) -> Published:
+    payload = codec_lib.encode(self._refs[p], "fp32", self.settings.block)
+    return Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
                      checksum=codec_lib.checksum(payload))
+
+  def _answer_locked(self, p: int, have_version: int) -> Published:
+    """The delta if the puller holds R_{v-1} and we have that delta, else the full R_v."""
+    delta = self._deltas[p]
+    if (delta is not None and delta.version == self._versions[p] and have_version >= 0
+        and have_version == delta.base_version):
+      self.counters["pulls_delta"] += 1
+      return delta
+    if self._full[p] is None or self._full[p].version != self._versions[p]:
+      self._full[p] = self._publish_full(p)
+    self.counters["pulls_full"] += 1
+    return self._full[p]
+
+  def reference(self, fragment: int) -> tuple[int, np.ndarray]:
+    """(version, a copy of R_version): exactly what a learner that adopted that version holds."""
+    with self._lock:
+      return self._versions[fragment], self._refs[fragment].copy()
 
   def next_deadline(self) -> float | None:
     """When `tick` should next run (clock time), or None if no round is open. Before a round's quorum,
@@ -418,9 +482,14 @@ class SyncerCore:
 
   # ---- pulls ----
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0) -> Published | None:
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0,
+           have_version: int = -1) -> Published | None:
     """The global fragment once its version >= min_version, waiting up to `timeout_s` real seconds
-    (ticking at round deadlines meanwhile); None on timeout."""
+    (ticking at round deadlines meanwhile); None on timeout.
+
+    `have_version`: the version whose reference the caller holds (-1: none usable). If it is the one just
+    before the current version, the answer is the delta (kind "delta"), else the full fragment.
+    """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
     give_up = time.monotonic() + max(timeout_s, 0.0)
@@ -428,7 +497,7 @@ class SyncerCore:
       while True:
         self._tick_locked()
         if self._versions[fragment] >= min_version:
-          published = self._published[fragment]
+          published = self._answer_locked(fragment, have_version)
           self.counters["bytes_out"] += len(published.payload)
           return published
         remaining = give_up - time.monotonic()
@@ -463,9 +532,11 @@ class SyncerCore:
 
   def state_dict(self) -> dict:
     """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
-    numbers and counters (copies). Not included: membership (learners rejoin after a restart) and the
-    contributions of open rounds, which are dropped; their learners' next pushes carry that progress on
-    (their deltas are measured from their base), so only the steps in dropped pushes are lost."""
+    numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
+    restored syncer serves learners the same bytes). Not included: membership (learners rejoin after a
+    restart) and the contributions of open rounds, which are dropped; their learners' next pushes carry
+    that progress on (their deltas are measured from their base), so only the steps in dropped pushes are
+    lost."""
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
@@ -475,6 +546,12 @@ class SyncerCore:
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
+          # With an fp32 downlink R is Theta: not stored twice.
+          "downlink_codec": self.settings.downlink_codec,
+          "references": [r.copy() for r in self._refs] if self._delta_downlink else None,
+          "deltas": [None if d is None else {"version": d.version, "base_version": d.base_version,
+                                             "payload": np.frombuffer(d.payload, np.uint8).copy()}
+                     for d in self._deltas],
       }
 
   def load_state_dict(self, state: dict) -> None:
@@ -486,10 +563,13 @@ class SyncerCore:
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
     opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    versions = [int(v) for v in state["versions"]]
+    refs, deltas = self._restore_downlink(state, fragments, versions)
     with self._lock:
       self._globals = fragments
       self._opt_states = opt_states
-      self._versions = [int(v) for v in state["versions"]]
+      self._versions = versions
+      self._refs, self._deltas = refs, deltas
       self._rounds = [int(r) for r in state["rounds"]]
       self._t_sync = [float(t) for t in state.get("t_sync", [0.0] * s.num_fragments)]
       counters = _new_counters()
@@ -498,5 +578,32 @@ class SyncerCore:
       counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
       self.counters = counters
       self._open = [None] * s.num_fragments
-      self._published = [self._publish(p) for p in range(s.num_fragments)]
+      self._full = [None] * s.num_fragments
+      if not self._delta_downlink:
+        self._full = [self._publish_full(p) for p in range(s.num_fragments)]
       self._cond.notify_all()
+
+  def _restore_downlink(self, state: dict, fragments: list[np.ndarray], versions: list[int]):
+    """References and latest deltas from a state dict. A checkpoint without references (an fp32 downlink
+    run, or an older format) gives R = Theta: what its learners were served; its deltas are dropped."""
+    s = self.settings
+    if not self._delta_downlink:
+      return list(fragments), [None] * s.num_fragments
+    saved = state.get("references")
+    if saved is None:
+      return [f.copy() for f in fragments], [None] * s.num_fragments
+    refs = [np.array(r, np.float32).reshape(-1) for r in saved]
+    if [r.size for r in refs] != list(s.sizes):
+      raise ValueError(f"checkpoint reference sizes {[r.size for r in refs]} != {list(s.sizes)}")
+    deltas: list[Published | None] = [None] * s.num_fragments
+    if state.get("downlink_codec") == s.downlink_codec:  # another codec's deltas cannot be served as ours
+      for p, d in enumerate(state.get("deltas") or []):
+        if d is None or int(d["version"]) != versions[p]:
+          continue
+        payload = np.asarray(d["payload"], np.uint8).tobytes()
+        if len(payload) != codec_lib.encoded_size(s.sizes[p], s.downlink_codec, s.block):
+          continue
+        deltas[p] = Published(fragment=p, version=versions[p], codec=s.downlink_codec, payload=payload,
+                              checksum=codec_lib.checksum(payload), kind="delta",
+                              base_version=int(d["base_version"]))
+    return refs, deltas

@@ -298,13 +298,16 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     if remaining is not None:
       timeout = min(timeout, max(0.0, remaining - 0.05))  # answer "not found" before the client gives up
     deadline = time.monotonic() + timeout
-    published = self.core.pull(request.fragment, request.min_version, 0.0)
+    # Passed on only when the learner says what it holds, so cores without delta downlinks (and old
+    # clients, which never set it) keep the plain call.
+    have = {"have_version": request.have_version} if request.HasField("have_version") else {}
+    published = self.core.pull(request.fragment, request.min_version, 0.0, **have)
     # Long-poll in slices so that a client that went away frees its worker thread within a second.
     while published is None and context.is_active():
       left = deadline - time.monotonic()
       if left <= 0:
         break
-      published = self.core.pull(request.fragment, request.min_version, min(left, 1.0))
+      published = self.core.pull(request.fragment, request.min_version, min(left, 1.0), **have)
     if published is None:
       return iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment))])
     self._count("pulls")
@@ -313,9 +316,11 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
   def _pull_chunks(self, published):
     payload = published.payload
-    yield pb.PullChunk(header=pb.PullHeader(
-        found=True, fragment=published.fragment, version=published.version, codec=published.codec,
-        checksum=published.checksum, total_size=len(payload)))
+    header = pb.PullHeader(found=True, fragment=published.fragment, version=published.version,
+                           codec=published.codec, checksum=published.checksum, total_size=len(payload))
+    if getattr(published, "kind", "full") == "delta":  # a full answer leaves both unset (fewer bytes)
+      header.kind, header.base_version = "delta", published.base_version
+    yield pb.PullChunk(header=header)
     view = memoryview(payload)
     step = self.limits.chunk_bytes
     for offset in range(0, len(payload), step):

@@ -1,0 +1,141 @@
+"""`python -m diloco_jax bench overhead --config configs/small_cpu.py [--chunks 3 --steps N]`
+
+A learner's tokens/s with its outer loop active (snapshots, int4 encoding, pushes, merges by an
+in-process syncer core, adoptions) against the bare inner step of the same model on the same device
+slice, measured side by side: the two alternate in chunks of N steps and the ratio of their medians is
+reported (goal >= 0.97). The learner is the only one in its run (a quorum of one), so every sync commits.
+
+Then the host memory of the outer loop: traced numpy allocations (tracemalloc), sampled during 2H
+learner steps and attributed by call stack to the learner's comms side and to the syncer core, against
+the bounds (max_in_flight + 1) x the largest fragment, and 4 x the model's fp32 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+
+import jax
+from absl import flags
+
+from diloco_jax import cli
+from diloco_jax import trainer as trainer_lib
+from diloco_jax import transport as transport_lib
+from diloco_jax.learner import loop as loop_lib
+from diloco_jax.syncer import server as syncer_server
+
+
+def _flags(fv):
+  flags.DEFINE_integer("chunks", 3, "Alternating measurement chunks per side.", flag_values=fv)
+  flags.DEFINE_integer("steps", 0, "Steps per chunk (default: 2 H).", flag_values=fv)
+  flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
+
+
+def _timed(step_fn, trainer, steps: int) -> float:
+  """Tokens/s over `steps` calls of step_fn, waiting for the device at the end."""
+  tokens0, t0 = trainer.tokens, time.perf_counter()
+  for _ in range(steps):
+    step_fn()
+  jax.block_until_ready(trainer.state.params)
+  return (trainer.tokens - tokens0) / (time.perf_counter() - t0)
+
+
+class _MemorySampler:
+  """Samples traced allocations, attributed to the learner's comms or the syncer core by call stack."""
+
+  GROUPS = {"learner_outer_loop": ("learner/comms.py", "learner/loop.py"),
+            "syncer_core": ("syncer/core.py",)}
+
+  def __init__(self, period_s: float = 0.05):
+    self.peak = {g: 0 for g in self.GROUPS}
+    self._stop = threading.Event()
+    self._period = period_s
+    self._thread = threading.Thread(target=self._run, daemon=True)
+
+  def _run(self):
+    while not self._stop.wait(self._period):
+      totals = {g: 0 for g in self.GROUPS}
+      for trace in tracemalloc.take_snapshot().traces:
+        files = [f.filename for f in trace.traceback]
+        for group, suffixes in self.GROUPS.items():
+          if any(name.endswith(suffixes) for name in files):
+            totals[group] += trace.size
+            break
+      for g, v in totals.items():
+        self.peak[g] = max(self.peak[g], v)
+
+  def __enter__(self):
+    tracemalloc.start(16)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    tracemalloc.stop()
+
+
+def main(argv) -> int:
+  fv = cli.parse(argv, _flags)
+  config = fv.config
+  cli.validated(config, len(jax.devices()), learners=True)
+  config.outer.min_quorum = 1
+  h = config.outer.sync_every
+  steps = fv.steps or 2 * h
+  devices = jax.devices()[:config.learners.devices]
+  batch = config.data.global_batch // config.learners.num
+  print(f"bench overhead: {len(devices)} devices, batch {batch}, H={h}, P={config.outer.num_fragments}, "
+        f"codec {config.outer.codec}/{config.outer.downlink_codec}, {fv.chunks} x {steps} steps a side",
+        file=sys.stderr)
+
+  bare = trainer_lib.MeshTrainer(config, devices, None, batch_size=batch, num_shards=config.learners.num)
+  core, fingerprint = syncer_server.build_core(config, "bench-overhead")
+  ticker = transport_lib.Ticker(core)
+  learner = loop_lib.Learner(config, 0, devices, transport_lib.InProcessTransport(core), fingerprint, None)
+  learner.join()
+  # Warm up: compile the steps, the outer-gradient and adoption functions of every fragment.
+  _timed(bare.train_step, bare, 3)
+  _timed(learner.train_step, learner.trainer, h + 2)
+
+  bare_rates, learner_rates = [], []
+  for i in range(fv.chunks):
+    bare_rates.append(_timed(bare.train_step, bare, steps))
+    learner_rates.append(_timed(learner.train_step, learner.trainer, steps))
+    print(f"  chunk {i + 1}/{fv.chunks}: bare {bare_rates[-1]:,.0f} tok/s, "
+          f"with outer loop {learner_rates[-1]:,.0f} tok/s", file=sys.stderr)
+
+  with _MemorySampler() as sampler:
+    for _ in range(2 * h):
+      learner.train_step()
+    jax.block_until_ready(learner.trainer.state.params)
+  learner.flush()
+  learner.close()
+  ticker.stop()
+
+  plan = learner.plan
+  largest = max(plan.size(p) for p in range(plan.num_fragments)) * 4
+  model_bytes = sum(plan.size(p) for p in range(plan.num_fragments)) * 4
+  ratio = statistics.median(learner_rates) / statistics.median(bare_rates)
+  result = {
+      "bare_tokens_per_s": statistics.median(bare_rates),
+      "learner_tokens_per_s": statistics.median(learner_rates), "ratio": ratio,
+      "syncs": learner.stats.syncs, "blocked_s": learner.stats.blocked_s,
+      "learner_host_bytes_peak": sampler.peak["learner_outer_loop"],
+      "learner_host_bytes_bound": (config.outer.max_in_flight + 1) * largest,
+      "syncer_host_bytes_peak": sampler.peak["syncer_core"], "syncer_host_bytes_bound": 4 * model_bytes,
+  }
+  if fv.json:
+    print(json.dumps(result, indent=2))
+  else:
+    print(f"tokens/s: bare inner step {result['bare_tokens_per_s']:,.0f}, with the outer loop "
+          f"{result['learner_tokens_per_s']:,.0f}: ratio {ratio:.3f} (goal >= 0.97: "
+          f"{'met' if ratio >= 0.97 else 'NOT met'}); {learner.stats.syncs} syncs, "
+          f"blocked {learner.stats.blocked_s:.2f}s")
+    print(f"host memory (traced, peak): learner outer loop {result['learner_host_bytes_peak'] / 2**20:.2f} MiB "
+          f"(bound {result['learner_host_bytes_bound'] / 2**20:.2f}); syncer core "
+          f"{result['syncer_host_bytes_peak'] / 2**20:.2f} MiB (bound {result['syncer_host_bytes_bound'] / 2**20:.2f})")
+  return 0

@@ -1,0 +1,151 @@
+"""A learner's outer-loop worker: everything that touches the network, off the inner loop's thread.
+
+`Comms.sync(...)` takes a fragment's outer gradient (a device array whose host copy is already under way)
+and returns a Future that, on background threads, brings it to the host, encodes it, pushes it, and waits
+for the global fragment that merges it. A heartbeat thread renews the learner's lease with its step time.
+
+Fetches say which version's reference the learner holds (`have_version`, its base version for that
+fragment), so the syncer can answer with the quantized change from it (kind "delta", to be added to the
+base on the device) instead of the full fragment (see `syncer/core.py`, "Downlink").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from diloco_jax import codec as codec_lib
+from diloco_jax.syncer.core import Published, Push, Rejected
+
+log = logging.getLogger(__name__)
+
+# Rejections that mean "the syncer forgot us" (it restarted, or our lease lapsed): join again and retry.
+_REJOIN_REASONS = ("not_member", "unknown_learner")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncResult:
+  fragment: int
+  version: int
+  # kind "full": the global fragment at `version` (float32, flat). kind "delta": the change from the
+  # reference of `base_version` (the learner's base) to that of `version`.
+  global_vec: np.ndarray
+  late: bool  # the push was merged into a later round than the one it was made for
+  kind: str = "full"
+  base_version: int = -1  # for a delta: the version of the base it applies to
+
+
+class Comms:
+  """Background network worker of one learner (one per learner; thread-safe)."""
+
+  def __init__(self, transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
+               block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
+               pull_timeout_s: float = 5.0):
+    self.transport = transport
+    self.learner_id = learner_id
+    self.fingerprint = fingerprint
+    self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
+    self.pull_timeout_s = pull_timeout_s
+    self.step_time_s = 0.0  # written by the inner loop, read by the heartbeat thread
+    self.rejected: list[str] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
+                                                       thread_name_prefix=f"learner{learner_id}-comms")
+    self._stop = threading.Event()
+    self._heartbeat_s = heartbeat_s
+    self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                       name=f"learner{learner_id}-heartbeat")
+
+  def join(self) -> dict[int, int]:
+    """Joins the run; returns the current version of every fragment. Starts the heartbeat."""
+    versions = self.transport.join(self.learner_id, self.fingerprint)
+    if not self._heartbeat.is_alive():
+      self._heartbeat.start()
+    return versions
+
+  def fetch(self, fragment: int, min_version: int, have_version: int = -1) -> tuple[Published, np.ndarray]:
+    """Blocks until the global fragment at `min_version` or later arrives; returns (its header, vector).
+
+    `have_version`: the version of the base the learner holds for this fragment (-1: none usable). The
+    answer is then either the full fragment or, when `published.kind == "delta"`, the change to add to
+    that base (`published.base_version == have_version`, checked here).
+    """
+    while not self._stop.is_set():
+      published = self.transport.pull(fragment, min_version, self.pull_timeout_s, have_version=have_version)
+      if published is None:
+        continue
+      if published.kind == "delta" and (have_version < 0 or published.base_version != have_version):
+        raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from version "
+                                   f"{published.base_version}, but this learner holds {have_version}")
+      if published.kind not in ("full", "delta"):
+        raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
+      return published, self._decode(published)
+    raise RuntimeError("comms stopped")
+
+  def _result(self, fragment: int, min_version: int, have_version: int, late: bool) -> SyncResult:
+    published, vec = self.fetch(fragment, min_version, have_version)
+    return SyncResult(fragment, published.version, vec, late=late, kind=published.kind,
+                      base_version=published.base_version)
+
+  def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int) -> concurrent.futures.Future:
+    """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result."""
+    return self._pool.submit(self._sync, fragment, delta, base_version, steps, tokens)
+
+  def _sync(self, fragment, delta, base_version, steps, tokens) -> SyncResult:
+    vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
+    del delta
+    payload = codec_lib.encode(vec, self.codec, self.block)
+    push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
+                base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
+                checksum=codec_lib.checksum(payload))
+    del vec
+    try:
+      receipt = self._push(push)
+    except Rejected as e:
+      # A refused push is lost work, but the learner must go on: fetch the current global and adopt it.
+      self.rejected.append(e.reason)
+      log.warning("learner %d: push of fragment %d refused: %s", self.learner_id, fragment, e)
+      return self._result(fragment, 0, base_version, late=False)
+    # The learner's base for this fragment is the reference of base_version until this result is adopted
+    # (one sync per fragment in flight), so a delta from it applies.
+    return self._result(fragment, base_version + 1, base_version, late=receipt.late)
+
+  def _push(self, push: Push):
+    try:
+      return self.transport.push(push)
+    except Rejected as e:
+      if e.reason not in _REJOIN_REASONS:
+        raise
+      self.transport.join(self.learner_id, self.fingerprint)
+      return self.transport.push(push)
+
+  def _decode(self, published: Published) -> np.ndarray:
+    if codec_lib.checksum(published.payload) != published.checksum:
+      raise codec_lib.CodecError(f"fragment {published.fragment} v{published.version}: bad checksum")
+    return codec_lib.decode(published.payload, published.codec, self.sizes[published.fragment], self.block)
+
+  def _heartbeat_loop(self) -> None:
+    while not self._stop.wait(self._heartbeat_s):
+      try:
+        self.transport.heartbeat(self.learner_id, self.step_time_s)
+      except Rejected as e:
+        if e.reason in _REJOIN_REASONS:
+          try:
+            self.transport.join(self.learner_id, self.fingerprint)
+          except Exception as join_error:  # noqa: BLE001 - keep heartbeating; the next beat retries
+            log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
+      except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
+        log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
+
+  def close(self, leave: bool = True) -> None:
+    self._pool.shutdown(wait=True)
+    self._stop.set()
+    if leave and hasattr(self.transport, "leave"):
+      try:
+        self.transport.leave(self.learner_id)
+      except Exception as e:  # noqa: BLE001
+        log.warning("learner %d: leave failed: %s", self.learner_id, e)

@@ -1,0 +1,278 @@
+"""One Decoupled DiLoCo learner: the inner loop on its mesh slice, plus the outer schedule.
+
+Between two inner steps the loop (never waiting on the network):
+  1. adopts every merged global fragment that has arrived and is at least tau steps past its snapshot:
+     theta_p <- alpha * theta_p + (1 - alpha) * (Theta_p + progress_p), and base_p <- Theta_p, where
+     progress_p = theta_p - theta_p(snapshot) are the inner steps taken since the snapshot when
+     `outer.keep_local_progress` (the default; without it those tau steps of work are overwritten, as in
+     Streaming DiLoCo with alpha = 0). AdamW state is kept;
+  2. for each fragment due at this step (s mod H == offset(p)), computes the outer gradient
+     base_p - theta_p on the device into one flat vector, starts its copy to the host, and hands it to
+     the comms worker, which encodes, pushes and fetches the merged result in the background.
+It waits only when `outer.max_in_flight` fragments are already in flight, or when a fragment falls due
+again before its previous sync came back; that wait is counted as blocked time. With tau = 0 the learner
+adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for every merge.
+
+The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
+only ever holds the fragments in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import fragments as fragments_lib
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import trainer as trainer_lib
+from diloco_jax.learner.comms import Comms, SyncResult
+
+
+@dataclasses.dataclass
+class InFlight:
+  fragment: int
+  snapshot_step: int
+  snapshot: jax.Array  # the outer gradient pushed (on the device): locates theta at the snapshot
+  future: object  # concurrent.futures.Future[SyncResult]
+
+
+@dataclasses.dataclass
+class LearnerStats:
+  syncs: int = 0
+  adopted: int = 0
+  late_merges: int = 0
+  blocked_s: float = 0.0
+  compute_s: float = 0.0  # wall time of the inner loop outside blocked waits
+
+
+def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings, state_shardings):
+  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p.
+
+  `adopt(state, base, global_vec, alpha)` takes the new global fragment; `adopt_delta` takes the syncer's
+  delta and rebuilds the global fragment as base + delta, one float32 add per element: the same IEEE
+  operation as the syncer's numpy reference update, so the base stays bitwise equal to its reference.
+  """
+  paths, shapes = plan.paths[p], plan.shapes[p]
+  sizes = [math.prod(s) for s in shapes]
+  replicated = mesh_lib.replicated(mesh)
+  flat = lambda tree: fragments_lib.flatten(tree)
+
+  def outer_gradient(base, params):
+    b, t = flat(base), flat(params)
+    return jnp.concatenate([(b[k] - t[k]).astype(jnp.float32).reshape(-1) for k in paths])
+
+  def pieces(vec):
+    return {k: piece.reshape(shape) for k, piece, shape in zip(paths, jnp.split(vec, np.cumsum(sizes)[:-1]),
+                                                              shapes)}
+
+  def mix(state, base, new_global, snapshot_vec, alpha, keep_progress):
+    # progress = theta - theta_snapshot, with theta_snapshot = base - snapshot_delta (old base).
+    theta, old_base, snap = flat(state.params), flat(base), pieces(snapshot_vec)
+    mixed = {
+        k: (alpha * theta[k] + (1.0 - alpha) * (v + keep_progress * (theta[k] - old_base[k] + snap[k])))
+        .astype(theta[k].dtype)
+        for k, v in new_global.items()
+    }
+    params = fragments_lib.replace_leaves(state.params, mixed)
+    base = fragments_lib.replace_leaves(base, new_global)
+    return dataclasses.replace(state, params=params), base
+
+  def adopt(state, base, global_vec, snapshot_vec, alpha, keep_progress):
+    return mix(state, base, pieces(global_vec), snapshot_vec, alpha, keep_progress)
+
+  def adopt_delta(state, base, delta_vec, snapshot_vec, alpha, keep_progress):
+    b = flat(base)
+    new_global = {k: b[k].astype(jnp.float32) + d for k, d in pieces(delta_vec).items()}
+    return mix(state, base, new_global, snapshot_vec, alpha, keep_progress)
+
+  grad_fn = jax.jit(outer_gradient, in_shardings=(param_shardings, param_shardings), out_shardings=replicated)
+  adopt_fns = {
+      kind: jax.jit(fn, in_shardings=(state_shardings, param_shardings, replicated, replicated, None, None),
+                    out_shardings=(state_shardings, param_shardings), donate_argnums=(0, 1))
+      for kind, fn in (("full", adopt), ("delta", adopt_delta))
+  }
+  return grad_fn, adopt_fns
+
+
+class Learner:
+  """A learner unit: a `MeshTrainer` on its device slice and the outer loop around it."""
+
+  def __init__(self, config, learner_id: int, devices: Sequence[jax.Device], transport, fingerprint: str,
+               workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True):
+    self.config, self.learner_id = config, learner_id
+    outer = config.outer
+    num_learners = config.learners.num
+    self.trainer = trainer_lib.MeshTrainer(
+        config, devices, workdir, batch_size=config.data.global_batch // num_learners,
+        num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints)
+    self.restored = self.trainer.restore()
+    self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
+                                        outer.fragment_plan)
+    mesh, sh = self.trainer.mesh, self.trainer.shardings
+    self._fns = [_fragment_fns(self.plan, p, mesh, sh.params, sh) for p in range(self.plan.num_fragments)]
+    self._replicated = mesh_lib.replicated(mesh)
+    # The base starts as a device copy of the initial parameters; the syncer starts from the same ones.
+    self.base = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sh.params)(self.trainer.state.params)
+    self.comms = Comms(transport, learner_id, fingerprint, codec=outer.codec,
+                       downlink_codec=outer.get("downlink_codec", outer.codec), block=outer.codec_block,
+                       sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
+                       max_in_flight=outer.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
+    self.base_version = [0] * self.plan.num_fragments
+    self.steps_since = [0] * self.plan.num_fragments
+    self.tokens_since = [0] * self.plan.num_fragments
+    self.in_flight: collections.deque[InFlight] = collections.deque()
+    self.stats = LearnerStats()
+    self.log = metrics_log
+    self._tau = outer.tau
+    self._alpha = float(outer.alpha)
+    self._keep_progress = bool(outer.keep_local_progress)
+    self._zeros = [jax.device_put(np.zeros(self.plan.size(p), np.float32), self._replicated)
+                   for p in range(self.plan.num_fragments)]
+
+  # -- joining -------------------------------------------------------------------------------------
+
+  def join(self) -> None:
+    """Joins the syncer; a learner that resumes or rejoins a run in progress adopts every current global
+    fragment first, so its next pushes are outer gradients against the global model."""
+    versions = self.comms.join()
+    if self.restored or any(v > 0 for v in versions.values()):
+      for p in range(self.plan.num_fragments):
+        # have_version -1: whatever base this process holds (restored, or the seed's) may not be the
+        # syncer's reference of any version, so take the full fragment.
+        published, vec = self.comms.fetch(p, 0, have_version=-1)
+        self._adopt(SyncResult(p, published.version, vec, late=False), snapshot=None)
+
+  # -- the outer schedule --------------------------------------------------------------------------
+
+  def _adopt(self, result: SyncResult, snapshot: jax.Array | None) -> None:
+    """Adopt a merged global fragment. With a `snapshot` and `outer.keep_local_progress`, the inner steps
+    taken since the snapshot are kept on top of it; without one (joining), the global overwrites."""
+    p = result.fragment
+    _, adopt_fns = self._fns[p]
+    if result.kind == "delta" and result.base_version != self.base_version[p]:
+      # Adding a delta to another base would silently corrupt the model for good.
+      raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from v{result.base_version}, "
+                         f"but the base is v{self.base_version[p]}")
+    adopt_fn = adopt_fns[result.kind]
+    vec = jax.device_put(result.global_vec, self._replicated)
+    keep = float(self._keep_progress and snapshot is not None)
+    if snapshot is None:
+      snapshot = self._zeros[p]
+    self.trainer.state, self.base = adopt_fn(self.trainer.state, self.base, vec, snapshot, self._alpha, keep)
+    self.base_version[p] = result.version
+    self.stats.adopted += 1
+    self.stats.late_merges += int(result.late)
+
+  def _wait(self, item: InFlight) -> None:
+    t0 = time.perf_counter()
+    result = item.future.result()
+    self.stats.blocked_s += time.perf_counter() - t0
+    self.in_flight.remove(item)
+    self._adopt(result, item.snapshot)
+
+  def _adopt_ready(self, step: int) -> None:
+    for item in list(self.in_flight):
+      if item.future.done() and step >= item.snapshot_step + self._tau:
+        self.in_flight.remove(item)
+        self._adopt(item.future.result(), item.snapshot)
+
+  def _snapshot(self, p: int, step: int) -> None:
+    for item in list(self.in_flight):
+      if item.fragment == p:  # due again before its last sync came back
+        self._wait(item)
+    while len(self.in_flight) >= self.config.outer.max_in_flight:
+      self._wait(self.in_flight[0])
+    grad_fn, _ = self._fns[p]
+    delta = grad_fn(self.base, self.trainer.state.params)
+    delta.copy_to_host_async()
+    future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p])
+    self.in_flight.append(InFlight(p, step, delta, future))
+    self.steps_since[p] = self.tokens_since[p] = 0
+    self.stats.syncs += 1
+    if self._tau == 0:
+      self._wait(self.in_flight[-1])
+
+  def after_step(self, tokens: int) -> None:
+    """The outer loop's work at a step boundary (after the inner step that just ran)."""
+    step = self.trainer.step
+    for p in range(self.plan.num_fragments):
+      self.steps_since[p] += 1
+      self.tokens_since[p] += tokens
+    self._adopt_ready(step)
+    for p in fragments_lib.due_fragments(self.plan, step):
+      self._snapshot(p, step)
+
+  def train_step(self) -> None:
+    t0 = time.perf_counter()
+    tokens_before = self.trainer.tokens
+    self.trainer.train_step()
+    blocked_before = self.stats.blocked_s
+    self.after_step(self.trainer.tokens - tokens_before)
+    elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
+    self.stats.compute_s += elapsed
+    # An EMA of the step time for the syncer's grace window.
+    self.comms.step_time_s = elapsed if self.comms.step_time_s == 0 else 0.9 * self.comms.step_time_s + 0.1 * elapsed
+
+  def flush(self) -> None:
+    """At the end of training: sync every fragment once more so the global model holds all local work,
+    then wait for and adopt every result."""
+    step = self.trainer.step
+    for p in range(self.plan.num_fragments):
+      if self.steps_since[p] > 0:
+        self._snapshot(p, step)
+    while self.in_flight:
+      self._wait(self.in_flight[0])
+
+  def close(self, leave: bool = True) -> None:
+    self.comms.close(leave=leave)
+    self.trainer.close()
+
+
+def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
+  """Join, train to `train.steps` with the outer loop, flush, checkpoint; returns this learner's summary.
+
+  `on_step()` is called after every step (progress bars); `should_stop()` ends training early (a signal).
+  Metrics go to `learner.log` at `train.log_every`, with the learner's local eval loss at `eval_every`.
+  """
+  config, trainer = learner.config, learner.trainer
+  total = config.train.steps
+  t0 = time.perf_counter()
+  learner.join()
+  rate = trainer_lib.RateMeter(trainer.tokens)
+  eval_loss = None
+  while trainer.step < total and not (should_stop and should_stop()):
+    learner.train_step()
+    s = trainer.step
+    if s % config.train.log_every == 0 or s == total:
+      m = trainer.fetch_metrics()
+      record = {"learner": learner.learner_id, "step": s, "tokens": trainer.tokens,
+                "tokens_per_s": rate.read(trainer.tokens), "blocked_s": learner.stats.blocked_s,
+                "versions": list(learner.base_version), **m}
+      if s % config.train.eval_every == 0:
+        eval_loss = record["eval_loss"] = trainer.evaluate()
+      if learner.log is not None:
+        learner.log.write(record)
+    if config.train.checkpoint_every and s % config.train.checkpoint_every == 0:
+      trainer.save({"learner": learner.learner_id})
+    if on_step:
+      on_step()
+  learner.flush()
+  trainer.save({"learner": learner.learner_id})
+  wall = time.perf_counter() - t0
+  transport = learner.comms.transport
+  return {
+      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall,
+      "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
+      "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
+      "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
+      "rejected_pushes": list(learner.comms.rejected),
+      "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
+      "local_eval_loss": eval_loss,
+  }

@@ -1,0 +1,217 @@
+"""The reference-tracking delta downlink: the syncer publishes the quantized change of what learners hold.
+
+Core tests use a fake clock; the last test runs two real learners against an in-process syncer and checks
+that each learner's device base is bitwise the syncer's reference of the version it adopted.
+"""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import codec
+from diloco_jax.syncer import checkpoint
+from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer.policy import QuorumPolicy
+
+FP = "fp-downlink"
+N = 300
+BLOCK = 16
+
+
+class FakeClock:
+
+  def __init__(self, t=0.0):
+    self.t = t
+
+  def __call__(self):
+    return self.t
+
+
+def make_core(downlink="int4", sizes=(N,)):
+  # One learner, K=1: every push closes its round at once (everyone live has contributed).
+  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec="fp32",
+                                     downlink_codec=downlink, block=BLOCK, outer_lr=0.7, outer_momentum=0.9,
+                                     policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0), fingerprint=FP)
+  rng = np.random.default_rng(0)
+  c = core_lib.SyncerCore(settings, [rng.standard_normal(n).astype(np.float32) for n in sizes],
+                          clock=FakeClock())
+  c.join(0, FP)
+  return c
+
+
+def commit(c, rng, fragment=0):
+  """One round: a random outer gradient from learner 0 against the current version."""
+  version = c.status()["versions"][fragment]
+  delta = (0.05 * rng.standard_normal(c.settings.sizes[fragment])).astype(np.float32)
+  payload = codec.encode(delta, "fp32")
+  c.push(core_lib.Push(0, FP, fragment, version, 5, 100, "fp32", payload, codec.checksum(payload)))
+  assert c.status()["versions"][fragment] == version + 1
+
+
+def theta(c, p=0):
+  return c.state_dict()["fragments"][p]
+
+
+def test_deltas_track_the_reference_bitwise_with_bounded_error():
+  c = make_core()
+  rng = np.random.default_rng(1)
+  version, held = c.reference(0)  # the learner starts from R_0 = Theta_0
+  assert version == 0
+  np.testing.assert_array_equal(held, theta(c))
+  errors, bounds = [], []
+  for v in range(1, 21):
+    prev_ref = c.reference(0)[1]
+    commit(c, rng)
+    bytes_out = c.counters["bytes_out"]
+    pub = c.pull(0, v, have_version=v - 1)
+    assert (pub.kind, pub.version, pub.base_version, pub.codec) == ("delta", v, v - 1, "int4")
+    assert c.counters["bytes_out"] - bytes_out == len(pub.payload) == codec.encoded_size(N, "int4", BLOCK)
+    held = held + codec.decode(pub.payload, "int4", N, BLOCK)  # the learner's float32 add
+    version, ref = c.reference(0)
+    assert version == v
+    np.testing.assert_array_equal(held, ref)  # bitwise
+    # Error feedback: R_v trails Theta_v by one quantization error of the residual delta only (plus the
+    # float32 rounding of the subtraction and the add).
+    th = theta(c)
+    residual = th - prev_ref
+    bound = (codec.error_bound(residual, "int4", BLOCK) + np.spacing(np.abs(ref)) + np.spacing(np.abs(residual)))
+    err = np.abs(ref.astype(np.float64) - th)
+    assert (err <= bound).all(), (v, float((err - bound).max()))
+    errors.append(float(err.max()))
+    bounds.append(float(bound.max()))
+  # ... and does not grow: the last rounds are no worse than the first (a random walk would be ~2x).
+  assert max(errors[-5:]) <= 1.5 * max(errors[:5]), errors
+  assert max(errors) <= max(bounds)
+
+
+def test_laggards_and_joiners_get_the_full_reference():
+  c = make_core()
+  rng = np.random.default_rng(2)
+  for _ in range(3):
+    commit(c, rng)
+  ref = c.reference(0)[1]
+  for have in (-1, 0, 1, 3):  # nothing, two and more behind, already current
+    bytes_out = c.counters["bytes_out"]
+    pub = c.pull(0, 0, have_version=have)
+    assert (pub.kind, pub.version, pub.base_version, pub.codec) == ("full", 3, -1, "fp32")
+    np.testing.assert_array_equal(codec.decode(pub.payload, "fp32", N), ref)
+    assert c.counters["bytes_out"] - bytes_out == 4 * N
+  assert c.pull(0, 0).kind == "full"  # the default holds nothing
+  assert c.pull(0, 0, have_version=2).kind == "delta"
+  assert (c.counters["pulls_full"], c.counters["pulls_delta"]) == (5, 1)
+
+
+def test_no_delta_before_the_first_commit():
+  c = make_core()
+  pub = c.pull(0, 0, have_version=-1)
+  assert pub.kind == "full" and pub.version == 0
+
+
+def test_fp32_downlink_is_unchanged():
+  c = make_core(downlink="fp32")
+  rng = np.random.default_rng(3)
+  commit(c, rng)
+  pub = c.pull(0, 1, have_version=0)
+  assert (pub.kind, pub.base_version, pub.codec) == ("full", -1, "fp32")
+  assert pub.payload == codec.encode(theta(c), "fp32")
+  np.testing.assert_array_equal(c.reference(0)[1], theta(c))
+  assert c.state_dict()["references"] is None  # R is Theta: not stored twice
+
+
+def _assert_same_downlink(a, b, version):
+  np.testing.assert_array_equal(a.reference(0)[1], b.reference(0)[1])
+  pa, pb = a.pull(0, version, have_version=version - 1), b.pull(0, version, have_version=version - 1)
+  assert pa == pb and pa.kind == "delta"
+  assert a.pull(0, version).payload == b.pull(0, version).payload
+
+
+@pytest.mark.parametrize("via_orbax", [False, True])
+def test_state_dict_round_trip_keeps_references_and_delta(tmp_path, via_orbax):
+  c = make_core()
+  rng = np.random.default_rng(4)
+  for _ in range(4):
+    commit(c, rng)
+  state = c.state_dict()
+  if via_orbax:
+    ckpt = checkpoint.SyncerCheckpointer(tmp_path / "ck", async_save=False)
+    checkpoint.save_core(ckpt, c)
+    state, _ = checkpoint.SyncerCheckpointer(tmp_path / "ck").restore()
+    ckpt.close()
+  fresh = make_core()
+  fresh.load_state_dict(state)
+  _assert_same_downlink(c, fresh, 4)
+  # Both carry on identically: the same next delta bytes.
+  commit(c, np.random.default_rng(5))
+  commit(fresh, np.random.default_rng(5))
+  _assert_same_downlink(c, fresh, 5)
+
+
+def test_restore_from_an_fp32_downlink_checkpoint():
+  # Learners of an fp32-downlink run hold Theta itself: it becomes the reference, and no delta exists yet.
+  old = make_core(downlink="fp32")
+  commit(old, np.random.default_rng(6))
+  c = make_core()
+  c.load_state_dict(old.state_dict())
+  np.testing.assert_array_equal(c.reference(0)[1], theta(old))
+  assert c.pull(0, 1, have_version=0).kind == "full"
+  commit(c, np.random.default_rng(7))
+  assert c.pull(0, 2, have_version=1).kind == "delta"
+
+
+def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
+  """Two learners train with an int4 downlink; each one's device base is R of the version it adopted."""
+  from configs import tiny_cpu
+  from diloco_jax import fragments as fragments_lib
+  from diloco_jax import transport as transport_lib
+  from diloco_jax.learner import loop as loop_lib
+  from diloco_jax.syncer import server as syncer_server
+
+  config = tiny_cpu.get_config()
+  config.train.steps = 20
+  config.outer.sync_every = 5
+  config.outer.downlink_codec = "int4"
+  config.learners.num = 2
+  config.learners.devices = 1
+  core, fingerprint = syncer_server.build_core(config, "downlink-test")
+  # Every reference the syncer ever held, by (fragment, version).
+  refs = {(p, 0): core.reference(p)[1] for p in range(core.settings.num_fragments)}
+  commit_downlink = core._commit_downlink_locked
+
+  def recording(p):
+    commit_downlink(p)
+    refs[(p, core._versions[p])] = core._refs[p].copy()
+
+  monkeypatch.setattr(core, "_commit_downlink_locked", recording)
+  ticker = transport_lib.Ticker(core)
+  devices = jax.devices()
+  learners = [loop_lib.Learner(config, i, devices[i:i + 1], transport_lib.InProcessTransport(core), fingerprint,
+                               str(tmp_path / f"learner_{i}"), async_checkpoints=False) for i in range(2)]
+  errors = []
+
+  def work(learner):
+    try:
+      loop_lib.run_learner(learner, should_stop=lambda: bool(errors))
+    except BaseException as e:  # noqa: BLE001 - surfaced below
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(l,)) for l in learners]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  try:
+    assert not errors, errors
+    counters = core.status()["counters"]
+    assert counters["pulls_delta"] > 0 and counters["rounds"] >= 4
+    for learner in learners:
+      base = jax.tree.map(np.asarray, learner.base)
+      for p in range(learner.plan.num_fragments):
+        held = np.asarray(fragments_lib.gather(learner.plan, base, p), np.float32)
+        np.testing.assert_array_equal(held, refs[(p, learner.base_version[p])])
+      assert learner.stats.adopted > 0
+  finally:
+    for learner in learners:
+      learner.close(leave=True)
+    ticker.stop()

@@ -1,0 +1,281 @@
+"""The real processes: a gRPC syncer and learner processes on loopback, real signals, kill -9, restarts.
+
+Each child gets its own fake CPU device count (XLA_FLAGS) and JAX_PLATFORMS=cpu; every child is killed in
+a finally block. Timeouts are generous because a loaded 2-core machine starts jax slowly; the work itself
+is a tiny model for a few dozen steps.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from diloco_jax import grpc_transport
+from diloco_jax import launch_local
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOKEN = "process-test-token-0123456789abcdef"
+TIMEOUT_S = 240.0
+
+
+def overrides(steps: int = 20, **extra) -> list[str]:
+  fields = {
+      "learners.num": 2, "learners.devices": 1, "train.steps": steps, "train.warmup_steps": 2,
+      "train.log_every": 2, "train.eval_every": 10_000, "train.checkpoint_every": 5,
+      "outer.sync_every": 5, "outer.lease_s": 3.0, "outer.min_quorum": 1, "outer.max_grace_s": 0.2,
+      "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8, "data.max_bytes": 60_000,
+      "data.eval_batches": 1, "syncer.checkpoint_every_rounds": 2, "comms.max_backoff_s": 0.5,
+      "comms.unreachable_deadline_s": 120.0,
+  }
+  fields.update(extra)
+  return ["--config", "configs/tiny_cpu.py"] + [f"--config.{k}={v}" for k, v in fields.items()]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Run:
+  """The children of one test, each logging to tmp/logs/<name>.log; `kill_all` in a finally block."""
+
+  def __init__(self, tmp: pathlib.Path, config_argv: list[str]):
+    self.tmp, self.config_argv = tmp, config_argv
+    (tmp / "logs").mkdir(exist_ok=True)
+    self.token_file = tmp / "token"
+    self.token_file.write_text(TOKEN + "\n")
+    self.token_file.chmod(0o600)
+    self.procs: dict[str, subprocess.Popen] = {}
+    self.port = None
+
+  def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
+    log = open(self.tmp / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", *argv], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=launch_local.child_env(devices))
+    log.close()
+    self.procs[name] = proc
+    return proc
+
+  def syncer(self, bind: str = "127.0.0.1:0") -> subprocess.Popen:
+    port_file = self.tmp / "syncer" / "syncer.port"
+    port_file.unlink(missing_ok=True)
+    proc = self.spawn("syncer", ["syncer", *self.config_argv, "--workdir", str(self.tmp / "syncer"),
+                                 "--bind", bind, "--token-file", str(self.token_file)])
+    wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit() or proc.poll() is not None,
+             "syncer port file")
+    assert proc.poll() is None, self.log("syncer")
+    self.port = int(port_file.read_text())
+    return proc
+
+  def learner(self, i: int) -> subprocess.Popen:
+    return self.spawn(f"learner_{i}", ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+                                       "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
+                                       "--token-file", str(self.token_file)])
+
+  def status(self) -> dict:
+    with grpc_transport.GrpcTransport(f"127.0.0.1:{self.port}", TOKEN, -1, unreachable_deadline_s=30.0) as t:
+      return t.status()
+
+  def log(self, name: str) -> str:
+    return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")[-4000:]
+
+  def summary(self, i: int) -> dict:
+    return json.loads((self.tmp / f"learner_{i}" / "summary.json").read_text())
+
+  def step(self, i: int) -> int:
+    return launch_local.learner_progress(self.tmp / f"learner_{i}")["step"]
+
+  def wait_ok(self, name: str, timeout: float = TIMEOUT_S) -> None:
+    try:
+      rc = self.procs[name].wait(timeout)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"{name} still running after {timeout}s:\n{self.log(name)}")
+    assert rc == 0, f"{name} exited {rc}:\n{self.log(name)}"
+
+  def kill_all(self) -> None:
+    for proc in self.procs.values():
+      if proc.poll() is None:
+        proc.kill()
+      proc.wait()
+
+
+def wait_for(predicate, what: str, timeout: float = TIMEOUT_S, poll: float = 0.2):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(poll)
+  pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def total_versions(status: dict) -> int:
+  return sum(status["versions"])
+
+
+def test_syncer_and_two_learners_over_grpc(tmp_path):
+  run = Run(tmp_path, overrides(steps=20))
+  try:
+    syncer = run.syncer()
+    run.learner(0)
+    run.learner(1)
+    run.wait_ok("learner_0")
+    run.wait_ok("learner_1")
+    status = run.status()
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(60) == 0, run.log("syncer")
+  finally:
+    run.kill_all()
+  assert total_versions(status) >= 4  # 20 steps, 2 fragments every 5 steps: the global model advanced
+  summaries = [run.summary(i) for i in range(2)]
+  for s in summaries:
+    assert s["steps"] == 20 and s["completed"] and not s["restored"] and s["syncs"] >= 4
+    assert s["rejected_pushes"] == []
+  counters, server = status["counters"], status["server"]
+  # Payload bytes: exactly what the core counted, at both ends, in both directions.
+  assert sum(s["payload_bytes_sent"] for s in summaries) == counters["bytes_in"] == server["push_bytes"]
+  assert sum(s["payload_bytes_received"] for s in summaries) == counters["bytes_out"] == server["pull_bytes"]
+  assert sum(s["pushes"] for s in summaries) == server["pushes"] == counters["contributions_merged"]
+  # Wire bytes add the framing: protobuf fields + 5-byte gRPC prefix per message, and the small calls
+  # (join, heartbeat, pull requests, leave) that carry no payload.
+  for s in summaries:
+    assert s["bytes_sent"] > s["payload_bytes_sent"] and s["bytes_received"] > s["payload_bytes_received"]
+    assert s["bytes_received"] - s["payload_bytes_received"] < 0.05 * s["payload_bytes_received"] + 50_000
+  assert list((tmp_path / "syncer" / "syncer_checkpoints").iterdir())  # the final checkpoint
+
+
+@pytest.mark.slow
+def test_learner_killed_and_restarted_rejoins(tmp_path):
+  run = Run(tmp_path, overrides(steps=60))
+  try:
+    run.syncer()
+    run.learner(0)
+    learner1 = run.learner(1)
+    # Kill learner 1 once it has checkpointed (every 5 steps) and synced a few times.
+    wait_for(lambda: run.step(1) >= 12, "learner 1 to reach step 12")
+    learner1.send_signal(signal.SIGKILL)
+    learner1.wait()
+    dead_at = total_versions(run.status())
+    # The run goes on without it: learner 0 alone makes quorum (K=1) and its rounds commit.
+    wait_for(lambda: total_versions(run.status()) >= dead_at + 3 or run.procs["learner_0"].poll() is not None,
+             "versions to advance while learner 1 is dead")
+    assert total_versions(run.status()) >= dead_at + 3, run.log("learner_0")
+    merged_before = run.status()["counters"]["contributions_merged"]
+    run.learner(1)  # same id, same workdir: resumes from its checkpoint and rejoins
+    run.wait_ok("learner_1")
+    run.wait_ok("learner_0")
+    status = run.status()
+  finally:
+    run.kill_all()
+  s1 = run.summary(1)
+  # Killed at step >= 12 with checkpoints every 5 steps (async: the newest may not be finalized yet).
+  assert s1["restored"] and 5 <= s1["start_step"] <= 60 and s1["steps"] == 60
+  # After the restart its pushes were accepted and merged, and it adopted the merged fragments.
+  assert s1["pushes"] >= 4 and s1["rejected_pushes"] == [] and s1["adopted"] >= s1["pushes"]
+  assert status["counters"]["contributions_merged"] >= merged_before + s1["pushes"]
+  assert status["counters"]["joins"] >= 3
+  assert "1" in status["members"]
+
+
+@pytest.mark.slow
+def test_syncer_killed_and_restarted_from_checkpoint(tmp_path):
+  run = Run(tmp_path, overrides(steps=60))
+  port = free_port()
+  try:
+    syncer = run.syncer(f"127.0.0.1:{port}")
+    run.learner(0)
+    run.learner(1)
+    ckpt_dir = tmp_path / "syncer" / "syncer_checkpoints"
+    wait_for(lambda: total_versions(run.status()) >= 6 and any(p.name.isdigit() for p in ckpt_dir.iterdir()),
+             "a few rounds and a syncer checkpoint")
+    syncer.send_signal(signal.SIGKILL)
+    syncer.wait()
+    time.sleep(2.0)  # the learners train on, and their calls retry
+    run.syncer(f"127.0.0.1:{port}")  # same workdir, same port
+    match = re.search(r"resumed from checkpoint step \d+ \((\d+) rounds\)", run.log("syncer"))
+    assert match, run.log("syncer")
+    checkpointed = int(match.group(1))
+    assert checkpointed >= 2
+    assert total_versions(run.status()) >= checkpointed
+    run.wait_ok("learner_0")
+    run.wait_ok("learner_1")
+    status = run.status()
+  finally:
+    run.kill_all()
+  # Rounds committed after the restart, with both learners, which never restarted.
+  assert total_versions(status) > checkpointed
+  summaries = [run.summary(i) for i in range(2)]
+  for s in summaries:
+    assert s["steps"] == 60 and not s["restored"] and s["syncs"] >= 10
+  assert sum(s["retries"] for s in summaries) > 0  # they did see the outage
+  assert status["counters"]["joins"] >= 2  # the rejoins after the restart (counters come from the checkpoint)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+  try:
+    return psutil.Process(pid).children(recursive=True)
+  except psutil.NoSuchProcess:
+    return []
+
+
+@pytest.mark.slow
+def test_launcher_runs_and_merges_summaries(tmp_path):
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=15), "--learners", "2",
+          "--workdir", str(workdir), "--eval=false"]
+  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+                        timeout=TIMEOUT_S + 60)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert [s["learner"] for s in summary["learners"]] == [0, 1]
+  assert all(s["steps"] == 15 for s in summary["learners"])
+  assert summary["syncer"]["counters"]["bytes_in"] == summary["payload_bytes_sent"]
+  assert sum(summary["versions"]) >= 2 and summary["exit_codes"] == {"learner 0": 0, "learner 1": 0, "syncer": 0}
+  assert (workdir / "token").stat().st_mode & 0o777 == 0o600
+  assert {p.name for p in (workdir / "logs").iterdir()} == {"syncer.log", "learner_0.log", "learner_1.log"}
+
+
+@pytest.mark.slow
+def test_launcher_sigint_stops_every_child(tmp_path):
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=2000), "--learners", "2",
+          "--workdir", str(workdir), "--stop-timeout-s", "60"]
+  proc = subprocess.Popen(argv, cwd=REPO, env=launch_local.child_env(1), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  children = []
+  try:
+    # Wait until both learners train (the syncer and two learner processes are up).
+    wait_for(lambda: all(launch_local.learner_progress(workdir / f"learner_{i}")["step"] >= 2 for i in range(2))
+             or proc.poll() is not None, "both learners to train")
+    assert proc.poll() is None
+    children = _children(proc.pid)
+    assert len(children) >= 3, children  # syncer + 2 learners (their own threads are not processes)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(180)
+    stderr = proc.stderr.read()
+    assert rc == 128 + signal.SIGINT, stderr[-4000:]
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    # Every child stopped cleanly: the learners flushed and checkpointed, the syncer too.
+    assert "'learner 0': 0" in stderr and "'learner 1': 0" in stderr and "'syncer': 0" in stderr, stderr[-4000:]
+    for i in range(2):
+      s = json.loads((workdir / f"learner_{i}" / "summary.json").read_text())
+      assert s["stopped_by_signal"] and not s["completed"]
+  finally:
+    for child in children:
+      try:
+        child.kill()
+      except psutil.NoSuchProcess:
+        pass
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
