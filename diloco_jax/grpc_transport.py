@@ -249,16 +249,19 @@ class GrpcTransport:
     for offset in range(0, len(payload), self.chunk_bytes):
       yield self._out(pb.PushChunk(data=bytes(view[offset:offset + self.chunk_bytes]), offset=offset), False)
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1):
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
+           have_epoch: int = 0):
     """The global fragment once its version is >= min_version (a `core.Published`), waiting up to
-    `timeout_s` on the syncer (long-poll); None if it did not come in time. `have_version`: the version
-    whose reference this learner holds (-1: none); the answer may then be a delta (`Published.kind`)."""
+    `timeout_s` on the syncer (long-poll); None if it did not come in time. `have_version`, `have_epoch`:
+    the version whose reference this learner holds (-1: none) and the syncer epoch it came from
+    (`Published.epoch`); the answer may then be a delta (`Published.kind`)."""
     from diloco_jax.syncer import core as core_lib
 
     request = pb.PullRequest(learner_id=self.learner_id, fingerprint=self.fingerprint or "",
                              fragment=fragment, min_version=min_version, timeout_s=float(timeout_s))
     if have_version >= 0:  # unset means "nothing usable": a full answer
       request.have_version = have_version
+      request.have_epoch = have_epoch
 
     def attempt(timeout):
       self._out(request, True)
@@ -289,9 +292,9 @@ class GrpcTransport:
         raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
       if h.kind == "delta":
         return core_lib.Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=bytes(buf),
-                                  checksum=h.checksum, kind="delta", base_version=h.base_version)
+                                  checksum=h.checksum, kind="delta", base_version=h.base_version, epoch=h.epoch)
       return core_lib.Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=bytes(buf),
-                                checksum=h.checksum)
+                                checksum=h.checksum, epoch=h.epoch)
 
     return self._call("pull", attempt)
 

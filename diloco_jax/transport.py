@@ -27,9 +27,11 @@ class Transport(Protocol):
   def push(self, push: Push) -> PushReceipt:
     ...
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float, have_version: int = -1) -> Published | None:
-    """The fragment once its version >= min_version (None after `timeout_s`). `have_version`: the version
-    whose reference the learner holds (-1: none); the answer is a delta from it when the syncer has one
+  def pull(self, fragment: int, min_version: int, timeout_s: float, have_version: int = -1,
+           have_epoch: int = 0) -> Published | None:
+    """The fragment once its version >= min_version (None after `timeout_s`). `have_version`, `have_epoch`:
+    the version whose reference the learner holds (-1: none) and the syncer epoch it came from
+    (`Published.epoch`); the answer is a delta from it when the syncer has one and the epoch is its own
     (`Published.kind`), else the full fragment."""
     ...
 
@@ -61,9 +63,9 @@ class InProcessTransport:
       self.bytes_sent += len(push.payload)
     return self.core.push(push)
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0,
-           have_version: int = -1) -> Published | None:
-    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version)
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
+           have_epoch: int = 0) -> Published | None:
+    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version, have_epoch=have_epoch)
     if published is not None:
       with self._lock:
         self.bytes_received += len(published.payload)

@@ -4,6 +4,7 @@ Core tests use a fake clock; the last test runs two real learners against an in-
 that each learner's device base is bitwise the syncer's reference of the version it adopted.
 """
 
+import dataclasses
 import threading
 
 import jax
@@ -65,8 +66,8 @@ def test_deltas_track_the_reference_bitwise_with_bounded_error():
     prev_ref = c.reference(0)[1]
     commit(c, rng)
     bytes_out = c.counters["bytes_out"]
-    pub = c.pull(0, v, have_version=v - 1)
-    assert (pub.kind, pub.version, pub.base_version, pub.codec) == ("delta", v, v - 1, "int4")
+    pub = c.pull(0, v, have_version=v - 1, have_epoch=c.epoch)
+    assert (pub.kind, pub.version, pub.base_version, pub.codec, pub.epoch) == ("delta", v, v - 1, "int4", c.epoch)
     assert c.counters["bytes_out"] - bytes_out == len(pub.payload) == codec.encoded_size(N, "int4", BLOCK)
     held = held + codec.decode(pub.payload, "int4", N, BLOCK)  # the learner's float32 add
     version, ref = c.reference(0)
@@ -94,12 +95,12 @@ def test_laggards_and_joiners_get_the_full_reference():
   ref = c.reference(0)[1]
   for have in (-1, 0, 1, 3):  # nothing, two and more behind, already current
     bytes_out = c.counters["bytes_out"]
-    pub = c.pull(0, 0, have_version=have)
-    assert (pub.kind, pub.version, pub.base_version, pub.codec) == ("full", 3, -1, "fp32")
+    pub = c.pull(0, 0, have_version=have, have_epoch=c.epoch)
+    assert (pub.kind, pub.version, pub.base_version, pub.codec, pub.epoch) == ("full", 3, -1, "fp32", c.epoch)
     np.testing.assert_array_equal(codec.decode(pub.payload, "fp32", N), ref)
     assert c.counters["bytes_out"] - bytes_out == 4 * N
   assert c.pull(0, 0).kind == "full"  # the default holds nothing
-  assert c.pull(0, 0, have_version=2).kind == "delta"
+  assert c.pull(0, 0, have_version=2, have_epoch=c.epoch).kind == "delta"
   assert (c.counters["pulls_full"], c.counters["pulls_delta"]) == (5, 1)
 
 
@@ -122,8 +123,10 @@ def test_fp32_downlink_is_unchanged():
 
 def _assert_same_downlink(a, b, version):
   np.testing.assert_array_equal(a.reference(0)[1], b.reference(0)[1])
-  pa, pb = a.pull(0, version, have_version=version - 1), b.pull(0, version, have_version=version - 1)
-  assert pa == pb and pa.kind == "delta"
+  pa = a.pull(0, version, have_version=version - 1, have_epoch=a.epoch)
+  pb = b.pull(0, version, have_version=version - 1, have_epoch=b.epoch)
+  assert (pa.epoch, pb.epoch) == (a.epoch, b.epoch)
+  assert dataclasses.replace(pa, epoch=0) == dataclasses.replace(pb, epoch=0) and pa.kind == "delta"
   assert a.pull(0, version).payload == b.pull(0, version).payload
 
 
@@ -157,7 +160,102 @@ def test_restore_from_an_fp32_downlink_checkpoint():
   np.testing.assert_array_equal(c.reference(0)[1], theta(old))
   assert c.pull(0, 1, have_version=0).kind == "full"
   commit(c, np.random.default_rng(7))
-  assert c.pull(0, 2, have_version=1).kind == "delta"
+  assert c.pull(0, 2, have_version=1, have_epoch=c.epoch).kind == "delta"
+
+
+def test_epochs_are_random_nonzero_and_redrawn_on_restore():
+  c = make_core()
+  commit(c, np.random.default_rng(8))
+  state = c.state_dict()
+  assert "epoch" not in state  # a restored syncer is a new epoch, never the checkpointed one
+  fresh = make_core()
+  assert 0 < c.epoch < 2**63 and 0 < fresh.epoch < 2**63 and fresh.epoch != c.epoch
+  before = fresh.epoch
+  fresh.load_state_dict(state)
+  assert fresh.epoch not in (0, before, c.epoch)
+  assert fresh.pull(0, 1).epoch == fresh.epoch and fresh.status()["epoch"] == fresh.epoch
+  c.load_state_dict(state)  # even restoring its own state
+  assert c.pull(0, 1).epoch == c.epoch != fresh.epoch
+
+
+def test_restored_older_syncer_serves_the_full_fragment_to_pre_crash_references():
+  """A learner holds R_2 of epoch A; the syncer restarts from its version-1 checkpoint (epoch B) and reaches
+  version 3 again with other references: asking for the delta from (2, A) gets the full R_3 of epoch B."""
+  c = make_core()
+  rng = np.random.default_rng(9)
+  commit(c, rng)
+  old_state = c.state_dict()  # version 1
+  commit(c, rng)
+  epoch_a = c.epoch
+  pub = c.pull(0, 2, have_version=1, have_epoch=epoch_a)
+  assert (pub.kind, pub.epoch) == ("delta", epoch_a)
+  held_version, held = c.reference(0)  # the learner's base: R_2 of epoch A
+  assert held_version == 2
+  c.load_state_dict(old_state)  # killed; restored from the older checkpoint
+  epoch_b = c.epoch
+  assert epoch_b != epoch_a and c.status()["versions"] == [1]
+  commit(c, np.random.default_rng(10))  # other contributions: another R_2
+  assert not np.array_equal(c.reference(0)[1], held)
+  commit(c, np.random.default_rng(11))  # caught up past what the learner holds
+  version, ref = c.reference(0)
+  assert version == 3
+  pub = c.pull(0, 3, have_version=2, have_epoch=epoch_a)
+  assert (pub.kind, pub.version, pub.base_version, pub.codec, pub.epoch) == ("full", 3, -1, "fp32", epoch_b)
+  np.testing.assert_array_equal(codec.decode(pub.payload, "fp32", N), ref)
+  # The bug this guards against: the delta on top of the pre-crash base is not the syncer's reference.
+  delta = c.pull(0, 3, have_version=2, have_epoch=epoch_b)
+  assert (delta.kind, delta.base_version, delta.epoch) == ("delta", 2, epoch_b)
+  assert not np.array_equal(held + codec.decode(delta.payload, "int4", N, BLOCK), ref)
+  assert c.pull(0, 3, have_version=2).kind == "full"  # an unknown epoch (0) is no epoch
+
+
+def test_version_zero_reference_is_the_same_in_every_epoch():
+  # R_0 is the seed's fragment whatever the epoch: a fresh learner (no epoch yet) gets the first delta, and
+  # a restored syncer still at version 0 serves it to learners of the previous epoch.
+  c = make_core()
+  state = c.state_dict()
+  c.load_state_dict(state)
+  commit(c, np.random.default_rng(12))
+  for have_epoch in (0, 12345, c.epoch):
+    pub = c.pull(0, 1, have_version=0, have_epoch=have_epoch)
+    assert (pub.kind, pub.base_version, pub.epoch) == ("delta", 0, c.epoch)
+  np.testing.assert_array_equal(make_core().reference(0)[1] + codec.decode(pub.payload, "int4", N, BLOCK),
+                                c.reference(0)[1])
+
+
+def test_comms_passes_the_epoch_and_refuses_a_delta_from_another():
+  from diloco_jax.learner import comms as comms_lib
+
+  c = make_core()
+  for seed in (13, 14):
+    commit(c, np.random.default_rng(seed))
+
+  class Recording:
+    """Serves the core's answers, or `forged` when set, and records what each pull said it holds."""
+
+    def __init__(self):
+      self.forged = None
+      self.asked = []
+
+    def pull(self, fragment, min_version, timeout_s, have_version=-1, have_epoch=0):
+      self.asked.append((have_version, have_epoch))
+      return self.forged or c.pull(fragment, min_version, have_version=have_version, have_epoch=have_epoch)
+
+  transport = Recording()
+  comms = comms_lib.Comms(transport, 0, FP, codec="fp32", downlink_codec="int4", block=BLOCK, sizes=(N,),
+                          max_in_flight=1, heartbeat_s=60.0)
+  try:
+    published, _ = comms.fetch(0, 2, have_version=1, have_epoch=c.epoch)
+    assert (published.kind, published.epoch) == ("delta", c.epoch)
+    published, _ = comms.fetch(0, 2, have_version=1, have_epoch=c.epoch + 1)
+    assert (published.kind, published.epoch) == ("full", c.epoch)
+    assert transport.asked == [(1, c.epoch), (1, c.epoch + 1)]
+    # A delta that claims our version but another epoch (a confused or old syncer) must not be added.
+    transport.forged = dataclasses.replace(c.pull(0, 2, have_version=1, have_epoch=c.epoch), epoch=c.epoch + 1)
+    with pytest.raises(codec.CodecError, match="epoch"):
+      comms.fetch(0, 2, have_version=1, have_epoch=c.epoch)
+  finally:
+    comms.close(leave=False)
 
 
 def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
@@ -204,12 +302,16 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
   try:
     assert not errors, errors
     counters = core.status()["counters"]
-    assert counters["pulls_delta"] > 0 and counters["rounds"] >= 4
+    assert counters["rounds"] >= 4
+    # Deltas past version 0 (at most one per learner and fragment is from R_0): the learners named the
+    # syncer's epoch when they pulled.
+    assert counters["pulls_delta"] > 2 * core.settings.num_fragments, counters
     for learner in learners:
       base = jax.tree.map(np.asarray, learner.base)
       for p in range(learner.plan.num_fragments):
         held = np.asarray(fragments_lib.gather(learner.plan, base, p), np.float32)
         np.testing.assert_array_equal(held, refs[(p, learner.base_version[p])])
+      assert learner.base_epoch == [core.epoch] * learner.plan.num_fragments  # set by every adoption
       assert learner.stats.adopted > 0
   finally:
     for learner in learners:

@@ -108,17 +108,19 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
     published = t.pull(0, 1)
     # The server chunks at 1 MiB: one header and one data message here.
     n = len(published.payload)
+    assert published.epoch == core.epoch
     header = pb.PullHeader(found=True, fragment=0, version=1, codec="fp32", checksum=published.checksum,
-                           total_size=n)
+                           total_size=n, epoch=core.epoch)
     assert t.bytes_received - received1 == (pb.PullChunk(header=header).ByteSize() + frame +
                                             pb.PullChunk(data=published.payload, offset=0).ByteSize() + frame)
     assert t.bytes_sent - sent1 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
                                                   timeout_s=0.0).ByteSize() + frame
 
 
-def test_delta_downlink_over_the_wire():
-  # int4 downlink: a learner that says it holds version 0 gets the int4 delta from R_0, with kind and
-  # base_version in the header; one that holds nothing gets the full fp32 reference.
+def test_delta_downlink_over_the_wire(monkeypatch):
+  # int4 downlink: a learner that says it holds version 0 gets the int4 delta from R_0, with kind,
+  # base_version and the syncer's epoch in the header; one that holds nothing gets the full fp32 reference.
+  # Past version 0, the delta needs the epoch of the learner's reference to come back as the core's.
   settings = core_lib.SyncerSettings(num_fragments=1, sizes=(1000,), codec="fp32", downlink_codec="int4",
                                      block=64, policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0),
                                      fingerprint=FP)
@@ -132,18 +134,33 @@ def test_delta_downlink_over_the_wire():
       sent0 = t.bytes_sent
       delta = t.pull(0, 1, timeout_s=5.0, have_version=0)
       assert t.bytes_sent - sent0 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
-                                                    timeout_s=5.0, have_version=0).ByteSize() + 5
+                                                    timeout_s=5.0, have_version=0, have_epoch=0).ByteSize() + 5
       assert (delta.kind, delta.base_version, delta.version, delta.codec) == ("delta", 0, 1, "int4")
+      assert delta.epoch == core.epoch
       assert len(delta.payload) == codec_lib.encoded_size(1000, "int4", 64)
       version, ref = core.reference(0)
       assert version == 1
       np.testing.assert_array_equal(r0 + codec_lib.decode(delta.payload, "int4", 1000, 64), ref)
       full = t.pull(0, 1, have_version=-1)
-      assert (full.kind, full.base_version, full.codec) == ("full", -1, "fp32")
+      assert (full.kind, full.base_version, full.codec, full.epoch) == ("full", -1, "fp32", core.epoch)
       np.testing.assert_array_equal(codec_lib.decode(full.payload, "fp32", 1000), ref)
       assert t.pull(0, 1, have_version=1).kind == "full"  # nothing newer than what it holds: full
+      # have_epoch travels: from version 1 on, only a learner naming the core's epoch gets the delta.
+      t.push(make_push(core, base_version=1))
+      for have_epoch, kind in ((core.epoch ^ 1, "full"), (0, "full"), (core.epoch, "delta")):
+        got = t.pull(0, 2, timeout_s=5.0, have_version=1, have_epoch=have_epoch)
+        assert (got.kind, got.version, got.epoch) == (kind, 2, core.epoch)
+      old_epoch = core.epoch
+      # A restart (same versions here) is a new epoch; the largest one round-trips both ways.
+      monkeypatch.setattr(core_lib, "new_epoch", lambda: 2**63 - 1)
+      core.load_state_dict(core.state_dict())
+      assert core.epoch == 2**63 - 1
+      got = t.pull(0, 2, timeout_s=5.0, have_version=1, have_epoch=old_epoch)
+      assert (got.kind, got.epoch) == ("full", 2**63 - 1)
+      got = t.pull(0, 2, timeout_s=5.0, have_version=1, have_epoch=2**63 - 1)
+      assert (got.kind, got.epoch) == ("delta", 2**63 - 1)
     counters = core.status()["counters"]
-    assert counters["pulls_delta"] == 1 and counters["pulls_full"] == 2
+    assert counters["pulls_delta"] == 3 and counters["pulls_full"] == 5
   finally:
     handle.stop(grace=0)
 

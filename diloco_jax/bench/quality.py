@@ -36,7 +36,7 @@ def main(argv) -> int:
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "
         f"codec {config.outer.codec}/{config.outer.downlink_codec}, H={config.outer.sync_every}, "
-        f"P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum}), "
+        f"P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum or 'all'}), "
         f"{config.train.steps} steps x {config.data.global_batch} sequences each", file=sys.stderr)
   dp = baseline.run(config, str(root / "dp"))
   dl = train.run(config, str(root / "diloco"))

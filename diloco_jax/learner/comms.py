@@ -5,8 +5,9 @@ and returns a Future that, on background threads, brings it to the host, encodes
 for the global fragment that merges it. A heartbeat thread renews the learner's lease with its step time.
 
 Fetches say which version's reference the learner holds (`have_version`, its base version for that
-fragment), so the syncer can answer with the quantized change from it (kind "delta", to be added to the
-base on the device) instead of the full fragment (see `syncer/core.py`, "Downlink").
+fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
+quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
+(see `syncer/core.py`, "Downlink" and "Epochs").
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SyncResult:
   late: bool  # the push was merged into a later round than the one it was made for
   kind: str = "full"
   base_version: int = -1  # for a delta: the version of the base it applies to
+  epoch: int = 0  # the serving syncer's epoch: with `version`, names the reference the base becomes
 
 
 class Comms:
@@ -67,35 +69,47 @@ class Comms:
       self._heartbeat.start()
     return versions
 
-  def fetch(self, fragment: int, min_version: int, have_version: int = -1) -> tuple[Published, np.ndarray]:
+  def fetch(self, fragment: int, min_version: int, have_version: int = -1,
+            have_epoch: int = 0) -> tuple[Published, np.ndarray]:
     """Blocks until the global fragment at `min_version` or later arrives; returns (its header, vector).
 
-    `have_version`: the version of the base the learner holds for this fragment (-1: none usable). The
-    answer is then either the full fragment or, when `published.kind == "delta"`, the change to add to
-    that base (`published.base_version == have_version`, checked here).
+    `have_version`, `have_epoch`: the version of the base the learner holds for this fragment (-1: none
+    usable) and the epoch of the syncer it came from. The answer is then either the full fragment or, when
+    `published.kind == "delta"`, the change to add to that base (`published.base_version == have_version`
+    and, past version 0, `published.epoch == have_epoch`, checked here).
     """
     while not self._stop.is_set():
-      published = self.transport.pull(fragment, min_version, self.pull_timeout_s, have_version=have_version)
+      published = self.transport.pull(fragment, min_version, self.pull_timeout_s, have_version=have_version,
+                                      have_epoch=have_epoch)
       if published is None:
         continue
       if published.kind == "delta" and (have_version < 0 or published.base_version != have_version):
         raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from version "
                                    f"{published.base_version}, but this learner holds {have_version}")
+      if published.kind == "delta" and have_version > 0 and published.epoch != have_epoch:
+        # R_0 is the same in every epoch; a later version's reference only within one syncer lifetime.
+        raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from syncer epoch "
+                                   f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
       if published.kind not in ("full", "delta"):
         raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
       return published, self._decode(published)
     raise RuntimeError("comms stopped")
 
-  def _result(self, fragment: int, min_version: int, have_version: int, late: bool) -> SyncResult:
-    published, vec = self.fetch(fragment, min_version, have_version)
+  def _result(self, fragment: int, min_version: int, have_version: int, have_epoch: int,
+              late: bool) -> SyncResult:
+    published, vec = self.fetch(fragment, min_version, have_version, have_epoch)
     return SyncResult(fragment, published.version, vec, late=late, kind=published.kind,
-                      base_version=published.base_version)
+                      base_version=published.base_version, epoch=published.epoch)
 
-  def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int) -> concurrent.futures.Future:
-    """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result."""
-    return self._pool.submit(self._sync, fragment, delta, base_version, steps, tokens)
+  def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int,
+           base_epoch: int = 0) -> concurrent.futures.Future:
+    """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result.
 
-  def _sync(self, fragment, delta, base_version, steps, tokens) -> SyncResult:
+    `base_version`, `base_epoch`: the version and syncer epoch of the learner's base for the fragment.
+    """
+    return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens)
+
+  def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
@@ -109,10 +123,11 @@ class Comms:
       # A refused push is lost work, but the learner must go on: fetch the current global and adopt it.
       self.rejected.append(e.reason)
       log.warning("learner %d: push of fragment %d refused: %s", self.learner_id, fragment, e)
-      return self._result(fragment, 0, base_version, late=False)
+      return self._result(fragment, 0, base_version, base_epoch, late=False)
     # The learner's base for this fragment is the reference of base_version until this result is adopted
-    # (one sync per fragment in flight), so a delta from it applies.
-    return self._result(fragment, base_version + 1, base_version, late=receipt.late)
+    # (one sync per fragment in flight), so a delta from it applies if the syncer's epoch is still that
+    # base's (a syncer restored meanwhile answers with the full fragment).
+    return self._result(fragment, base_version + 1, base_version, base_epoch, late=receipt.late)
 
   def _push(self, push: Push):
     try:

@@ -125,6 +125,8 @@ class Learner:
                        sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
                        max_in_flight=outer.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
     self.base_version = [0] * self.plan.num_fragments
+    # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
+    self.base_epoch = [0] * self.plan.num_fragments
     self.steps_since = [0] * self.plan.num_fragments
     self.tokens_since = [0] * self.plan.num_fragments
     self.in_flight: collections.deque[InFlight] = collections.deque()
@@ -147,7 +149,7 @@ class Learner:
         # have_version -1: whatever base this process holds (restored, or the seed's) may not be the
         # syncer's reference of any version, so take the full fragment.
         published, vec = self.comms.fetch(p, 0, have_version=-1)
-        self._adopt(SyncResult(p, published.version, vec, late=False), snapshot=None)
+        self._adopt(SyncResult(p, published.version, vec, late=False, epoch=published.epoch), snapshot=None)
 
   # -- the outer schedule --------------------------------------------------------------------------
 
@@ -160,6 +162,10 @@ class Learner:
       # Adding a delta to another base would silently corrupt the model for good.
       raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from v{result.base_version}, "
                          f"but the base is v{self.base_version[p]}")
+    if result.kind == "delta" and result.base_version > 0 and result.epoch != self.base_epoch[p]:
+      # The same version number from a restarted syncer names another reference.
+      raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from syncer epoch {result.epoch}, "
+                         f"but the base is from epoch {self.base_epoch[p]}")
     adopt_fn = adopt_fns[result.kind]
     vec = jax.device_put(result.global_vec, self._replicated)
     keep = float(self._keep_progress and snapshot is not None)
@@ -167,6 +173,7 @@ class Learner:
       snapshot = self._zeros[p]
     self.trainer.state, self.base = adopt_fn(self.trainer.state, self.base, vec, snapshot, self._alpha, keep)
     self.base_version[p] = result.version
+    self.base_epoch[p] = result.epoch
     self.stats.adopted += 1
     self.stats.late_merges += int(result.late)
 
@@ -192,7 +199,8 @@ class Learner:
     grad_fn, _ = self._fns[p]
     delta = grad_fn(self.base, self.trainer.state.params)
     delta.copy_to_host_async()
-    future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p])
+    future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
+                             base_epoch=self.base_epoch[p])
     self.in_flight.append(InFlight(p, step, delta, future))
     self.steps_since[p] = self.tokens_since[p] = 0
     self.stats.syncs += 1

@@ -82,23 +82,25 @@ class PushResponse(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s", "have_version")
+    __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s", "have_version", "have_epoch")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAVE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     fragment: int
     min_version: int
     timeout_s: float
     have_version: int
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., have_version: _Optional[int] = ...) -> None: ...
+    have_epoch: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., have_version: _Optional[int] = ..., have_epoch: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("found", "fragment", "version", "codec", "checksum", "total_size", "kind", "base_version")
+    __slots__ = ("found", "fragment", "version", "codec", "checksum", "total_size", "kind", "base_version", "epoch")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class PullHeader(_message.Message):
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     found: bool
     fragment: int
     version: int
@@ -115,7 +118,8 @@ class PullHeader(_message.Message):
     total_size: int
     kind: str
     base_version: int
-    def __init__(self, found: _Optional[bool] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, found: _Optional[bool] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data", "offset")

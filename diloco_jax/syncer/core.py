@@ -39,6 +39,15 @@ one quantization error of one delta instead of drifting. A pull that says it hol
 (kind "full": joins, restarts, learners that fell more than one version behind). Only the latest delta is
 kept, so the syncer holds about Theta, momentum, R and a cached full payload per fragment.
 
+Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
+older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
+still hold from before the crash. So the core draws a random nonzero 63-bit `epoch` when it is created
+and again on every `load_state_dict` (it is never checkpointed), stamps it on every `Published`, and a
+puller names the epoch of its reference too (`have_epoch`): the delta is served only to
+`have_version == v - 1` with `have_epoch == epoch`. The one exception is `have_version == 0`: R_0 is the
+seed's initial fragment in every epoch of a run (a checkpoint at version 0 holds it unchanged), so fresh
+learners, which hold R_0 before they ever heard of an epoch, still get their first delta.
+
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
 changes nothing else.
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import secrets
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -61,6 +71,11 @@ from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_st
 REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
            "checksum", "metadata", "nonfinite", "future_version")
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
+
+
+def new_epoch() -> int:
+  """A random nonzero 63-bit syncer epoch (0 means "unknown" on the wire; 63 bits fit signed int64 too)."""
+  return secrets.randbelow(2**63 - 1) + 1
 
 
 class Rejected(Exception):
@@ -100,7 +115,7 @@ class Published:
 
   kind "full": the decoded vector is the fragment at `version` (R_version; Theta_version with an fp32
   downlink). kind "delta": it is R_version - R_base_version, to be added (one float32 add) to the reference
-  the learner holds, which must be the one of `base_version` (= version - 1).
+  the learner holds, which must be the one of `base_version` (= version - 1) of the same `epoch`.
   """
 
   fragment: int
@@ -110,6 +125,7 @@ class Published:
   checksum: int
   kind: str = "full"  # "full" | "delta"
   base_version: int = -1  # for a delta: the version whose reference it applies to; -1 for a full fragment
+  epoch: int = 0  # the serving syncer's epoch (module docstring, "Epochs"); 0: unknown (an old syncer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +252,7 @@ class SyncerCore:
                        f"{settings.num_fragments}")
     self.settings = settings
     self.clock = clock
+    self.epoch = new_epoch()  # redrawn by load_state_dict; see the module docstring, "Epochs"
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
     self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
@@ -442,19 +459,23 @@ class SyncerCore:
     payload = codec_lib.encode(self._globals[p] - self._refs[p], s.downlink_codec, s.block)
     self._refs[p] = self._refs[p] + codec_lib.decode(payload, s.downlink_codec, s.sizes[p], s.block)
     self._deltas[p] = Published(fragment=p, version=version, codec=s.downlink_codec, payload=payload,
-                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1)
+                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1,
+                                epoch=self.epoch)
     self._full[p] = None
 
   def _publish_full(self, p: int) -> Published:
     payload = codec_lib.encode(self._refs[p], "fp32", self.settings.block)
     return Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
-                     checksum=codec_lib.checksum(payload))
+                     checksum=codec_lib.checksum(payload), epoch=self.epoch)
 
-  def _answer_locked(self, p: int, have_version: int) -> Published:
-    """The delta if the puller holds R_{v-1} and we have that delta, else the full R_v."""
+  def _answer_locked(self, p: int, have_version: int, have_epoch: int) -> Published:
+    """The delta if the puller holds this epoch's R_{v-1} and we have that delta, else the full R_v."""
     delta = self._deltas[p]
+    # R_0 is the same in every epoch (module docstring, "Epochs"); any later reference is only known to
+    # match ours if the puller got it from this epoch.
+    same_reference = have_epoch == self.epoch or have_version == 0
     if (delta is not None and delta.version == self._versions[p] and have_version >= 0
-        and have_version == delta.base_version):
+        and have_version == delta.base_version and same_reference):
       self.counters["pulls_delta"] += 1
       return delta
     if self._full[p] is None or self._full[p].version != self._versions[p]:
@@ -482,13 +503,15 @@ class SyncerCore:
 
   # ---- pulls ----
 
-  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0,
-           have_version: int = -1) -> Published | None:
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
+           have_epoch: int = 0) -> Published | None:
     """The global fragment once its version >= min_version, waiting up to `timeout_s` real seconds
     (ticking at round deadlines meanwhile); None on timeout.
 
-    `have_version`: the version whose reference the caller holds (-1: none usable). If it is the one just
-    before the current version, the answer is the delta (kind "delta"), else the full fragment.
+    `have_version`, `have_epoch`: the version whose reference the caller holds (-1: none usable) and the
+    epoch of the syncer it got it from (`Published.epoch`; 0: unknown). If the version is the one just
+    before the current version and the epoch is this core's (or the version is 0, the same in every
+    epoch), the answer is the delta (kind "delta"), else the full fragment.
     """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
@@ -497,7 +520,7 @@ class SyncerCore:
       while True:
         self._tick_locked()
         if self._versions[fragment] >= min_version:
-          published = self._answer_locked(fragment, have_version)
+          published = self._answer_locked(fragment, have_version, have_epoch)
           self.counters["bytes_out"] += len(published.payload)
           return published
         remaining = give_up - time.monotonic()
@@ -516,6 +539,7 @@ class SyncerCore:
       now = self.clock()
       return {
           "fingerprint": self.settings.fingerprint,
+          "epoch": self.epoch,
           "live": self._live(now),
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
                                "lease_left_s": max(m.lease_until - now, 0.0)}
@@ -533,7 +557,8 @@ class SyncerCore:
   def state_dict(self) -> dict:
     """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
     numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
-    restored syncer serves learners the same bytes). Not included: membership (learners rejoin after a
+    restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
+    included: the epoch, membership (learners rejoin after a
     restart) and the contributions of open rounds, which are dropped; their learners' next pushes carry
     that progress on (their deltas are measured from their base), so only the steps in dropped pushes are
     lost."""
@@ -555,7 +580,11 @@ class SyncerCore:
       }
 
   def load_state_dict(self, state: dict) -> None:
-    """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept."""
+    """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept.
+
+    Draws a new `epoch`: the checkpoint may be older than what learners hold, and its versions will be
+    reached again with other references (module docstring, "Epochs").
+    """
     s = self.settings
     if state.get("fingerprint", s.fingerprint) != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
@@ -564,8 +593,10 @@ class SyncerCore:
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
     opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
     versions = [int(v) for v in state["versions"]]
-    refs, deltas = self._restore_downlink(state, fragments, versions)
+    epoch = new_epoch()
+    refs, deltas = self._restore_downlink(state, fragments, versions, epoch)
     with self._lock:
+      self.epoch = epoch
       self._globals = fragments
       self._opt_states = opt_states
       self._versions = versions
@@ -583,7 +614,7 @@ class SyncerCore:
         self._full = [self._publish_full(p) for p in range(s.num_fragments)]
       self._cond.notify_all()
 
-  def _restore_downlink(self, state: dict, fragments: list[np.ndarray], versions: list[int]):
+  def _restore_downlink(self, state: dict, fragments: list[np.ndarray], versions: list[int], epoch: int):
     """References and latest deltas from a state dict. A checkpoint without references (an fp32 downlink
     run, or an older format) gives R = Theta: what its learners were served; its deltas are dropped."""
     s = self.settings
@@ -605,5 +636,5 @@ class SyncerCore:
           continue
         deltas[p] = Published(fragment=p, version=versions[p], codec=s.downlink_codec, payload=payload,
                               checksum=codec_lib.checksum(payload), kind="delta",
-                              base_version=int(d["base_version"]))
+                              base_version=int(d["base_version"]), epoch=epoch)
     return refs, deltas

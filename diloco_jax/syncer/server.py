@@ -299,8 +299,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       timeout = min(timeout, max(0.0, remaining - 0.05))  # answer "not found" before the client gives up
     deadline = time.monotonic() + timeout
     # Passed on only when the learner says what it holds, so cores without delta downlinks (and old
-    # clients, which never set it) keep the plain call.
+    # clients, which never set them) keep the plain call.
     have = {"have_version": request.have_version} if request.HasField("have_version") else {}
+    if request.HasField("have_epoch"):
+      have["have_epoch"] = request.have_epoch
     published = self.core.pull(request.fragment, request.min_version, 0.0, **have)
     # Long-poll in slices so that a client that went away frees its worker thread within a second.
     while published is None and context.is_active():
@@ -317,7 +319,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
   def _pull_chunks(self, published):
     payload = published.payload
     header = pb.PullHeader(found=True, fragment=published.fragment, version=published.version,
-                           codec=published.codec, checksum=published.checksum, total_size=len(payload))
+                           codec=published.codec, checksum=published.checksum, total_size=len(payload),
+                           epoch=getattr(published, "epoch", 0))
     if getattr(published, "kind", "full") == "delta":  # a full answer leaves both unset (fewer bytes)
       header.kind, header.base_version = "delta", published.base_version
     yield pb.PullChunk(header=header)
