@@ -38,18 +38,22 @@ def enable_compilation_cache() -> None:
 
 
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
-          config_required: bool = True) -> flags.FlagValues:
+          config_required: bool = True, doc: str = "") -> flags.FlagValues:
   """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field.
+  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0.
   """
   enable_compilation_cache()
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py).",
+  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+                                  "--config.<field>=<value> overrides a field.",
                                   flag_values=fv, lock_config=True, sys_argv=argv)
   if define_extra:
     define_extra(fv)
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(f"{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc else fv.get_help())
+    raise SystemExit(0)
   try:
     fv(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:

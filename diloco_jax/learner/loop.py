@@ -178,6 +178,10 @@ class Learner:
     self.stats.late_merges += int(result.late)
 
   def _wait(self, item: InFlight) -> None:
+    if not item.future.done():
+      # Steps already dispatched are compute, not waiting: let the device finish them before the clock
+      # starts (the comms thread's host copy of the snapshot waits for them too).
+      jax.block_until_ready(self.trainer.state.params)
     t0 = time.perf_counter()
     result = item.future.result()
     self.stats.blocked_s += time.perf_counter() - t0

@@ -521,10 +521,7 @@ class PeriodicCheckpointer:
 
 def _define_flags(fv):
   from absl import flags
-  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (e.g. configs/tiny_cpu.py); "
-                                  "--config.x=y overrides a field", flag_values=fv, lock_config=True)
   flags.DEFINE_string("workdir", None, "where syncer checkpoints and the port file go", flag_values=fv)
   flags.DEFINE_string("bind", "127.0.0.1:50051", "host:port to serve on (port 0: any free port)",
                       flag_values=fv)
@@ -542,26 +539,16 @@ def _define_flags(fv):
 
 def main(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
-  from absl import flags
-
-  from diloco_jax.syncer import checkpoint
+  from diloco_jax import cli
   from diloco_jax import transport
+  from diloco_jax.syncer import checkpoint
 
-  fv = flags.FlagValues()
-  _define_flags(fv)
-  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    print(f"{__doc__}\nflags:\n{fv.get_help()}")
-    return 0
-  try:
-    fv(argv)
-  except flags.Error as e:
-    print(f"syncer: {e} (see --help)", file=sys.stderr)
-    return 2
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  if fv.config is None or fv.workdir is None:
-    print("--config and --workdir are required", file=sys.stderr)
+  if fv.workdir is None:
+    print("--workdir is required", file=sys.stderr)
     return 2
-  config = fv.config
+  config = cli.validated(fv.config, None, learners=True)
   tls = None
   if fv["tls-cert"].value or fv["tls-key"].value:
     if not (fv["tls-cert"].value and fv["tls-key"].value):

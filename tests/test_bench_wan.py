@@ -1,0 +1,52 @@
+"""`bench wan`: the modes it compares, its verdict, and one end-to-end run on a fast link."""
+
+import pytest
+
+from diloco_jax.bench import wan
+
+
+def test_modes_differ_only_in_schedule(tiny_config):
+  tiny_config.outer.tau = 0
+  tiny_config.outer.max_in_flight = 1
+  all_at_once, streaming, int4 = wan.modes(tiny_config, int4=True)
+  assert (all_at_once.num_fragments, all_at_once.tau, all_at_once.codec, all_at_once.downlink_codec) == (
+      1, 0, "fp32", "fp32")
+  # Streaming keeps the config's P, and always overlaps: tau >= 1, two fragments in flight.
+  assert streaming.num_fragments is None and streaming.tau >= 1 and streaming.max_in_flight >= 2
+  assert (streaming.codec, streaming.downlink_codec) == ("fp32", "fp32")
+  assert (int4.codec, int4.downlink_codec) == ("int4", "int4")
+  assert len(wan.modes(tiny_config, int4=False)) == 2
+
+
+def test_mode_config_is_one_learner_and_leaves_the_input_alone(tiny_config):
+  c = wan._mode_config(tiny_config, wan.modes(tiny_config)[0])
+  assert (c.learners.num, c.outer.min_quorum, c.outer.num_fragments, c.outer.tau) == (1, 1, 1, 0)
+  assert tiny_config.learners.num == 4 and tiny_config.outer.num_fragments == 2
+
+
+def test_verdict():
+  rows = [{"mode": "all-at-once", "compute_utilization": 0.5},
+          {"mode": "streaming", "compute_utilization": 0.97}]
+  goal = wan.verdict(rows)
+  assert goal["met"] and goal["all_at_once_stall"] == pytest.approx(0.5)
+  rows[0]["compute_utilization"] = 0.8  # the link is too fast to show anything
+  assert not wan.verdict(rows)["met"]
+
+
+@pytest.mark.slow
+def test_end_to_end_fast_link(tiny_config):
+  """Both modes run against a real gRPC syncer; the same syncs happen and move the whole model."""
+  tiny_config.outer.sync_every = 4
+  result = wan.run(tiny_config, gbps=1.0, latency_ms=0.0, steps=4, int4=False)
+  rows = {r["mode"]: r for r in result["rows"]}
+  assert set(rows) == {"all-at-once", "streaming"}
+  model_bytes = 4 * result["params"]
+  for r in rows.values():
+    assert r["steps"] == 4 and 0.0 < r["compute_utilization"] <= 1.0 + 1e-6
+    assert sum(r["fragment_params"]) == result["params"]
+    # One sync period: every parameter goes up and comes back once, in fp32, plus gRPC framing.
+    assert model_bytes <= r["bytes_sent"] < 1.05 * model_bytes + 4096
+    assert model_bytes <= r["bytes_received"] < 1.05 * model_bytes + 4096
+  assert rows["all-at-once"]["syncs"] == 1
+  assert rows["streaming"]["syncs"] == rows["streaming"]["fragments"] == tiny_config.outer.num_fragments
+  assert wan.format_table(result["rows"]).count("\n") == 3
