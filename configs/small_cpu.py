@@ -39,6 +39,6 @@ def get_config():
   c.outer.codec = "int4"
   c.outer.downlink_codec = "int4"  # reference-tracking deltas, not quantized weights
   # Retuned for M=4 and a short H (DiLoCo's 0.7 / 0.9 is for H ~ 500): see docs/benchmarks.md.
-  c.outer.lr = 0.5
-  c.outer.momentum = 0.8
+  c.outer.lr = 0.8
+  c.outer.momentum = 0.5
   return c

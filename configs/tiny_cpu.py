@@ -32,6 +32,6 @@ def get_config():
   c.outer.sync_every = 10
   c.outer.max_grace_s = 0.5
   c.outer.downlink_codec = "int4"
-  c.outer.lr = 0.5
-  c.outer.momentum = 0.8
+  c.outer.lr = 0.8
+  c.outer.momentum = 0.5
   return c
