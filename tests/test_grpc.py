@@ -430,8 +430,12 @@ def test_wan_cap_limits_push_throughput(syncer):
       start = time.monotonic()
       t.push(push)
       elapsed = time.monotonic() - start
-      rate = (t.bytes_sent - sent) / elapsed
-      assert 0.8 * cap <= rate <= 1.2 * cap, rate
+      moved = t.bytes_sent - sent
+      # The cap holds: beyond the burst, the bytes took at least bytes / cap seconds. (A lower bound on
+      # the rate would test this machine's load, not the code; the token bucket's exact waits are
+      # checked on a fake clock above.)
+      assert elapsed >= 0.95 * (moved - 16 * 1024) / cap, (moved, elapsed)
+      assert link.delay_s > 0
   finally:
     handle2.stop(grace=0)
 
