@@ -1,7 +1,7 @@
 """The real processes: a gRPC syncer and learner processes on loopback, real signals, kill -9, restarts.
 
 Each child gets its own fake CPU device count (XLA_FLAGS) and JAX_PLATFORMS=cpu; every child is killed in
-a finally block. Timeouts are generous because a loaded 2-core machine starts jax slowly; the work itself
+a finally block. The kill tests run in `make test`; the launcher's are `slow` (`make test-slow`). Timeouts are generous because a loaded 2-core machine starts jax slowly; the work itself
 is a tiny model for a few dozen steps.
 """
 
@@ -153,7 +153,6 @@ def test_syncer_and_two_learners_over_grpc(tmp_path):
   assert list((tmp_path / "syncer" / "syncer_checkpoints").iterdir())  # the final checkpoint
 
 
-@pytest.mark.slow
 def test_learner_killed_and_restarted_rejoins(tmp_path):
   run = Run(tmp_path, overrides(steps=60))
   try:
@@ -186,7 +185,6 @@ def test_learner_killed_and_restarted_rejoins(tmp_path):
   assert "1" in status["members"]
 
 
-@pytest.mark.slow
 def test_syncer_killed_and_restarted_from_checkpoint(tmp_path):
   run = Run(tmp_path, overrides(steps=60))
   port = free_port()
