@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Local runs emulate 8 accelerators with fake CPU devices (4 learners x 2 devices by default).
+# In-process runs emulate 8 accelerators with fake CPU devices (4 learners x 2 devices by default);
+# `local` gives each learner process its own.
 FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: run test test-slow bench clean
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 
 # The default job: see README.md.
 run: $(STAMP)
-	$(FAKE_DEVICES) $(PY) -m diloco_jax train --config configs/small_cpu.py --workdir runs/default
+	$(PY) -m diloco_jax local --config configs/small_cpu.py --learners 4 --workdir runs/default
 
 test: $(STAMP)
 	$(PY) -m pytest -q

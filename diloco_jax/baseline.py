@@ -93,7 +93,7 @@ def _flags(fv: flags.FlagValues) -> None:
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = cli.validated(fv.config, len(jax.devices()), learners=False)
   run(config, fv.workdir)
   return 0

@@ -342,7 +342,7 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
 
 def main(argv) -> int:
   """`python -m diloco_jax local --config CFG --learners N --workdir DIR`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags)
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
   config = fv.config
   config_argv = config_args(argv)
   if fv.learners:

@@ -138,7 +138,7 @@ def _flags(fv: flags.FlagValues) -> None:
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = cli.validated(fv.config, len(jax.devices()), learners=True)
   run(config, fv.workdir)
   return 0

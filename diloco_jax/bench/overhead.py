@@ -80,7 +80,7 @@ class _MemorySampler:
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   cli.validated(config, len(jax.devices()), learners=True)
   config.outer.min_quorum = 1

@@ -28,7 +28,7 @@ def _flags(fv):
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   cli.validated(config, len(jax.devices()), learners=True)
   cli.validated(config, len(jax.devices()), learners=False)

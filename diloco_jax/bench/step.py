@@ -186,7 +186,7 @@ def _report(r: dict) -> str:
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   available = jax.devices()
   n = fv.devices or config.mesh.num_devices or len(available)

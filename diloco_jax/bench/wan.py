@@ -292,7 +292,7 @@ def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: fl
 
 
 def main(argv) -> int:
-  fv = cli.parse(argv, _flags)
+  fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   need = config.learners.devices
   if len(jax.devices()) < need:

@@ -210,7 +210,7 @@ def main(argv) -> int:
   from diloco_jax.syncer import core as core_lib
   from diloco_jax.syncer import server as server_lib
 
-  fv = cli.parse(argv, _define_flags)
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   config = fv.config
   learner_id = fv["learner-id"].value
