@@ -83,6 +83,32 @@ def _quantize(vec: np.ndarray, codec: str, block: int) -> tuple[np.ndarray, np.n
   return codes, scales
 
 
+# Encoding and decoding go through the vector in chunks of about this many elements, so that their
+# temporaries stay a few MB whatever the fragment's size: a learner's host memory is then its fragments in
+# flight, not a multiple of them.
+_CHUNK_ELEMS = 1 << 20
+
+
+def _chunk_blocks(block: int) -> int:
+  """Blocks per chunk: even, so that int4 chunks start on a byte boundary."""
+  return max(2, (_CHUNK_ELEMS // block) // 2 * 2)
+
+
+def _bf16_bits(vec: np.ndarray) -> np.ndarray:
+  bits = vec.view(np.uint32)
+  # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate (in place).
+  rounded = bits >> 16
+  rounded &= np.uint32(1)
+  rounded += np.uint32(0x7FFF)
+  rounded += bits
+  rounded >>= 16
+  top = rounded.astype("<u2")
+  nan = np.isnan(vec)
+  if nan.any():  # Rounding could carry a NaN's payload into the exponent and make it inf or zero.
+    top[nan] = 0x7FC0
+  return top
+
+
 def encode(vec: np.ndarray, codec: str, block: int = 64) -> bytes:
   """`vec` (any shape, read as flat float32) as the payload bytes of `codec` (see the module docstring)."""
   _check(codec, block)
@@ -90,27 +116,28 @@ def encode(vec: np.ndarray, codec: str, block: int = 64) -> bytes:
   if codec == "fp32":
     return vec.astype("<f4", copy=False).tobytes()
   if codec == "bf16":
-    bits = vec.view(np.uint32)
-    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate (in place).
-    rounded = bits >> 16
-    rounded &= np.uint32(1)
-    rounded += np.uint32(0x7FFF)
-    rounded += bits
-    rounded >>= 16
-    top = rounded.astype("<u2")
-    nan = np.isnan(vec)
-    if nan.any():  # Rounding could carry a NaN's payload into the exponent and make it inf or zero.
-      top[nan] = 0x7FC0
-    return top.tobytes()
-  codes, scales = _quantize(vec, codec, block)
-  if codec == "int8":
-    data = codes.tobytes()
-  else:
-    nibbles = (codes.reshape(-1) + 8).astype(np.uint8)
-    if nibbles.size % 2:
-      nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
-    data = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
-  return data + scales.astype("<f4").tobytes()
+    out = np.empty(vec.size, "<u2")
+    for start in range(0, vec.size, _CHUNK_ELEMS):
+      out[start:start + _CHUNK_ELEMS] = _bf16_bits(vec[start:start + _CHUNK_ELEMS])
+    return out.tobytes()
+  nb = _num_blocks(vec.size, block)
+  codes_len = encoded_size(vec.size, codec, block) - 4 * nb
+  out = np.empty(codes_len + 4 * nb, np.uint8)
+  scales = np.empty(nb, "<f4")
+  step = _chunk_blocks(block)
+  for b0 in range(0, nb, step):
+    b1 = min(nb, b0 + step)
+    codes, scales[b0:b1] = _quantize(vec[b0 * block:b1 * block], codec, block)
+    if codec == "int8":
+      out[b0 * block:b1 * block] = codes.reshape(-1).view(np.uint8)
+    else:
+      nibbles = (codes.reshape(-1) + 8).astype(np.uint8)
+      if nibbles.size % 2:
+        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+      first = b0 * block // 2
+      out[first:first + nibbles.size // 2] = nibbles[0::2] | (nibbles[1::2] << 4)
+  out[codes_len:] = scales.view(np.uint8)
+  return out.tobytes()
 
 
 def decode(payload: bytes, codec: str, size: int, block: int = 64) -> np.ndarray:
@@ -121,22 +148,32 @@ def decode(payload: bytes, codec: str, size: int, block: int = 64) -> np.ndarray
                      f"got {len(payload)}")
   if codec == "fp32":
     return np.frombuffer(payload, "<f4").astype(np.float32)  # a writable copy
+  out = np.empty(size, np.float32)
   if codec == "bf16":
-    return (np.frombuffer(payload, "<u2").astype(np.uint32) << 16).view(np.float32)
+    bits = np.frombuffer(payload, "<u2")
+    for start in range(0, size, _CHUNK_ELEMS):
+      out[start:start + _CHUNK_ELEMS] = (bits[start:start + _CHUNK_ELEMS].astype(np.uint32) << 16).view(np.float32)
+    return out
   nb = _num_blocks(size, block)
-  scales = np.frombuffer(payload, "<f4", count=nb, offset=expected - 4 * nb).astype(np.float32)
-  if codec == "int8":
-    q = np.frombuffer(payload, np.int8, count=nb * block).astype(np.float32)
-  else:
-    packed = np.frombuffer(payload, np.uint8, count=expected - 4 * nb)
-    nibbles = np.empty(2 * packed.size, np.int8)
-    nibbles[0::2] = packed & 0x0F
-    nibbles[1::2] = packed >> 4
-    q = nibbles[:nb * block].astype(np.float32)
-    q -= 8
-  q = q.reshape(nb, block)
-  q *= scales[:, None]
-  return q.reshape(-1)[:size].copy() if nb * block != size else q.reshape(-1)
+  scales = np.frombuffer(payload, "<f4", count=nb, offset=expected - 4 * nb)
+  step = _chunk_blocks(block)
+  for b0 in range(0, nb, step):
+    b1 = min(nb, b0 + step)
+    n = (b1 - b0) * block
+    if codec == "int8":
+      q = np.frombuffer(payload, np.int8, count=n, offset=b0 * block).astype(np.float32)
+    else:
+      packed = np.frombuffer(payload, np.uint8, count=-(-n // 2), offset=b0 * block // 2)
+      nibbles = np.empty(2 * packed.size, np.int8)
+      nibbles[0::2] = packed & 0x0F
+      nibbles[1::2] = packed >> 4
+      q = nibbles[:n].astype(np.float32)
+      q -= 8
+    q = q.reshape(b1 - b0, block)
+    q *= scales[b0:b1, None]
+    stop = min(b1 * block, size)
+    out[b0 * block:stop] = q.reshape(-1)[:stop - b0 * block]
+  return out
 
 
 def checksum(payload: bytes) -> int:

@@ -1,4 +1,4 @@
-"""`python -m diloco_jax bench overhead --config configs/small_cpu.py [--chunks 3 --steps N]`
+"""`python -m diloco_jax bench overhead --config configs/small_cpu.py [--chunks 5 --steps N]`
 
 A learner's tokens/s with its outer loop active (snapshots, int4 encoding, pushes, merges by an
 in-process syncer core, adoptions) against the bare inner step of the same model on the same device
@@ -30,7 +30,7 @@ from diloco_jax.syncer import server as syncer_server
 
 
 def _flags(fv):
-  flags.DEFINE_integer("chunks", 3, "Alternating measurement chunks per side.", flag_values=fv)
+  flags.DEFINE_integer("chunks", 5, "Alternating measurement chunks per side.", flag_values=fv)
   flags.DEFINE_integer("steps", 0, "Steps per chunk (default: 2 H).", flag_values=fv)
   flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
 
@@ -47,8 +47,9 @@ def _timed(step_fn, trainer, steps: int) -> float:
 class _MemorySampler:
   """Samples traced allocations, attributed to the learner's comms or the syncer core by call stack."""
 
-  GROUPS = {"learner_outer_loop": ("learner/comms.py", "learner/loop.py"),
-            "syncer_core": ("syncer/core.py",)}
+  # The syncer core is called from the learner's comms thread (in-process transport): test it first.
+  GROUPS = {"syncer_core": ("syncer/core.py",),
+            "learner_outer_loop": ("learner/comms.py", "learner/loop.py")}
 
   def __init__(self, period_s: float = 0.05):
     self.peak = {g: 0 for g in self.GROUPS}
