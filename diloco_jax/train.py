@@ -19,6 +19,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import fragments as fragments_lib
+from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import transport as transport_lib
@@ -43,7 +44,7 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
   workdir = pathlib.Path(workdir)
   t0 = time.perf_counter()
   num = config.learners.num
-  slices = [jax.devices()[i * config.learners.devices:(i + 1) * config.learners.devices] for i in range(num)]
+  slices = mesh_lib.carve_slices(jax.devices(), [config.learners.devices] * num)
   core, fingerprint = syncer_server.build_core(config, RUN_ID)
   syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(workdir / "syncer", keep=2)
   resumed_syncer = syncer_checkpoint.restore_core(syncer_ckpt, core) is not None
