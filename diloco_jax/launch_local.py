@@ -37,6 +37,7 @@ import time
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import outer as outer_lib
 
 EXIT_FAILED = 1
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -314,7 +315,8 @@ class ChildFailed(RuntimeError):
     self.child = child
 
 
-def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s: float, run_id: str) -> dict:
+def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s: float, run_id: str,
+                   num_fragments: int = 1) -> dict:
   learners = []
   for i in range(num):
     path = workdir / f"learner_{i}" / "summary.json"
@@ -336,7 +338,8 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
     summary.update(versions=status.get("versions"), outer_rounds=counters.get("rounds"),
                    contributions_merged=counters.get("contributions_merged"),
                    contributions_rejected=counters.get("contributions_rejected"),
-                   tokens_merged=counters.get("tokens_merged"))
+                   tokens_merged=outer_lib.tokens_merged(counters.get("tokens_merged", 0),
+                                                         num_fragments))
   return summary
 
 
@@ -383,7 +386,8 @@ def main(argv) -> int:
   if launcher.signals:
     print(f"local: stopped by signal {launcher.signals[0]}; children exited {codes}", file=sys.stderr)
     return 128 + launcher.signals[0]
-  summary = merged_summary(workdir, config.learners.num, status, time.perf_counter() - t0, run_id)
+  summary = merged_summary(workdir, config.learners.num, status, time.perf_counter() - t0, run_id,
+                           config.outer.num_fragments)
   summary["exit_codes"] = codes
   if fv.eval:
     summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id)

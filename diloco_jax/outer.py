@@ -173,3 +173,9 @@ def participation(contributors: int, live_learners: int) -> float:
   if contributors <= 0:
     return 0.0
   return min(1.0, contributors / max(live_learners, 1))
+
+
+def tokens_merged(fragment_tokens_merged: int, num_fragments: int) -> float:
+  """Tokens whose work reached the global model. The syncer counts a contribution's tokens per fragment,
+  so a learner's period of work is counted once for each of the P fragments it syncs: divide by P."""
+  return fragment_tokens_merged / max(num_fragments, 1)

@@ -22,6 +22,7 @@ from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
+from diloco_jax import outer as outer_lib
 from diloco_jax import transport as transport_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import checkpoint as syncer_checkpoint
@@ -117,7 +118,7 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "params": params, "learners": results,
       "outer_rounds": counters["rounds"], "contributions_merged": counters["contributions_merged"],
       "contributions_late": counters["contributions_late"],
-      "contributions_rejected": counters["contributions_rejected"], "tokens_merged": counters["tokens_merged"],
+      "contributions_rejected": counters["contributions_rejected"], "tokens_merged": outer_lib.tokens_merged(counters["tokens_merged"], plan.num_fragments),
       "bytes_sent": sum(r["bytes_sent"] for r in results),
       "bytes_received": sum(r["bytes_received"] for r in results),
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
