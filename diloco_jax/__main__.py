@@ -12,8 +12,9 @@ Commands:
 Each command's module exposes `main(argv)`; `python -m diloco_jax <command> --help` lists its flags.
 """
 
-import importlib
 import sys
+
+from diloco_jax import subcommands
 
 COMMANDS = {
     "train": "diloco_jax.train",
@@ -27,16 +28,7 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-  argv = list(sys.argv if argv is None else argv)
-  if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
-    print(__doc__)
-    return 0
-  command = argv[1]
-  if command not in COMMANDS:
-    print(f"unknown command {command!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
-    return 2
-  module = importlib.import_module(COMMANDS[command])
-  return module.main([f"{argv[0]} {command}"] + argv[2:]) or 0
+  return subcommands.dispatch(COMMANDS, list(sys.argv if argv is None else argv), __doc__)
 
 
 if __name__ == "__main__":

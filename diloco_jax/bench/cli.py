@@ -9,19 +9,10 @@
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 """
 
-import importlib
-import sys
+from diloco_jax import subcommands
 
-BENCHMARKS = ("step", "quality", "overhead", "transport", "wan")
+BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan")}
 
 
 def main(argv) -> int:
-  if len(argv) < 2 or argv[1] in ("-h", "--help"):
-    print(__doc__)
-    return 0
-  name = argv[1]
-  if name not in BENCHMARKS:
-    print(f"unknown benchmark {name!r}; expected one of: {', '.join(BENCHMARKS)}", file=sys.stderr)
-    return 2
-  module = importlib.import_module(f"diloco_jax.bench.{name}")
-  return module.main([f"{argv[0]} {name}"] + list(argv[2:])) or 0
+  return subcommands.dispatch(BENCHMARKS, list(argv), __doc__, what="benchmark")
