@@ -92,29 +92,15 @@ class Limits:
 
   @classmethod
   def from_config(cls, config) -> "Limits":
-    s = _section(config, "syncer")
-    d = cls()
+    s = config.syncer
     return cls(
-        chunk_bytes=int(s.get("chunk_kb", d.chunk_bytes // 1024)) * 1024,
-        max_message_bytes=int(s.get("max_message_mb", d.max_message_bytes >> 20)) << 20,
-        max_push_bytes=int(s.get("max_push_mb", d.max_push_bytes >> 20)) << 20,
-        rate_per_s=float(s.get("rate_limit_per_s", d.rate_per_s)),
-        rate_burst=float(s.get("rate_limit_burst", d.rate_burst)),
-        max_pull_wait_s=float(s.get("max_pull_wait_s", d.max_pull_wait_s)),
+        chunk_bytes=int(s.chunk_kb) * 1024,
+        max_message_bytes=int(s.max_message_mb) << 20,
+        max_push_bytes=int(s.max_push_mb) << 20,
+        rate_per_s=float(s.rate_limit_per_s),
+        rate_burst=float(s.rate_limit_burst),
+        max_pull_wait_s=float(s.max_pull_wait_s),
     )
-
-
-def _section(config, name: str) -> dict:
-  """`config.<name>` as a dict, or {} if the config has no such section (older configs)."""
-  if config is None:
-    return {}
-  try:
-    node = config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
-  except (AttributeError, KeyError):
-    node = None
-  if node is None:
-    return {}
-  return node.to_dict() if hasattr(node, "to_dict") else dict(node)
 
 
 class RateLimiter:
@@ -570,10 +556,10 @@ def main(argv) -> int:
 
   workdir = pathlib.Path(fv.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  s = _section(config, "syncer")
-  run_id = fv["run-id"].value or str(config.get("run_id", "") if hasattr(config, "get") else "")
+  s = config.syncer
+  run_id = fv["run-id"].value
   core, fingerprint = build_core(config, run_id)
-  ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.get("keep_checkpoints", 3)))
+  ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
   if fv.resume:
     info = checkpoint.restore_core(ckpt, core)
     if info:
@@ -593,7 +579,7 @@ def main(argv) -> int:
   ticker = transport.Ticker(core)
   handle = serve(core, bind, token=token, tls=tls, limits=Limits.from_config(config), fingerprint=fingerprint,
                  max_workers=fv["max-workers"].value, allow_remote=fv["allow-remote"].value)
-  periodic = PeriodicCheckpointer(ckpt, core, int(s.get("checkpoint_every_rounds", 10)))
+  periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
   host = bind.rsplit(":", 1)[0]
   (workdir / "syncer.port").write_text(f"{handle.port}\n")  # for launchers that bound port 0
   print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
@@ -601,7 +587,7 @@ def main(argv) -> int:
   while not stop.wait(1.0):
     pass
   print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
-  handle.stop(grace=float(s.get("shutdown_grace_s", 2.0)))
+  handle.stop(grace=float(s.shutdown_grace_s))
   ticker.stop()
   step = periodic.stop()
   ckpt.close()
