@@ -17,9 +17,9 @@ import sys
 from diloco_jax import subcommands
 
 COMMANDS = {
-    "train": "diloco_jax.train",
+    "train": "diloco_jax.inprocess",
     "baseline": "diloco_jax.baseline",
-    "syncer": "diloco_jax.syncer.server",
+    "syncer": "diloco_jax.syncer.app",
     "learner": "diloco_jax.learner.process",
     "local": "diloco_jax.launch_local",
     "sim": "diloco_jax.sim.cli",
@@ -27,8 +27,13 @@ COMMANDS = {
 }
 
 
+PROGRAM = "python -m diloco_jax"
+
+
 def main(argv=None) -> int:
-  return subcommands.dispatch(COMMANDS, list(sys.argv if argv is None else argv), __doc__)
+  """Runs `argv[1]`'s command with the rest of `argv`; every command's --help names it as PROGRAM does."""
+  argv = list(sys.argv if argv is None else argv)
+  return subcommands.dispatch(COMMANDS, [PROGRAM] + argv[1:], __doc__)
 
 
 if __name__ == "__main__":

@@ -42,34 +42,22 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
           f"all-reduce {per_step_bytes / 2**20:.2f} MiB/worker/step" + (f", resumed at step {trainer.step}" if resumed else ""))
   total = config.train.steps
   bar = metrics_lib.progress(total, initial=trainer.step, desc="baseline") if not quiet else None
-  rate = trainer_lib.RateMeter(trainer.tokens)
   eval_loss = initial_eval_loss = None
   if trainer.step == 0:
     eval_loss = initial_eval_loss = trainer.evaluate()
     log.write({"step": 0, "tokens": 0, "eval_loss": eval_loss})
-  while trainer.step < total:
-    trainer.train_step()
-    s = trainer.step
-    if s % config.train.log_every == 0 or s == total:
-      m = trainer.fetch_metrics()
-      tps = rate.read(trainer.tokens)
-      record = {"step": s, "tokens": trainer.tokens, "tokens_per_s": tps,
-                "comm_bytes": per_step_bytes * s, **m}
-      if s % config.train.eval_every == 0 or s == total:
-        eval_loss = trainer.evaluate()
-        record["eval_loss"] = eval_loss
-      log.write(record)
-      if bar is not None:
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}",
-                        **({"eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}))
+
+  def on_record(record):
     if bar is not None:
-      bar.update(1)
-    if config.train.checkpoint_every and s % config.train.checkpoint_every == 0:
-      trainer.save()
+      bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                      **({"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}))
+
+  last_eval = trainer_lib.run_loop(
+      trainer, log, steps=total, record_fields=lambda: {"comm_bytes": per_step_bytes * trainer.step},
+      on_record=on_record, on_step=(lambda: bar.update(1)) if bar is not None else None)
   if bar is not None:
     bar.close()
-  if eval_loss is None:
-    eval_loss = trainer.evaluate()
+  eval_loss = last_eval if last_eval is not None else (eval_loss or trainer.evaluate())
   trainer.save()
   trainer.close()
   wall = time.perf_counter() - t0

@@ -33,9 +33,6 @@ class TrainCheckpointer:
                                              create=True),
     )
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
-
   def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
     """Saves `step` (once: a step already saved is skipped). Async saves copy the arrays off the device
     before returning and finish in the background."""

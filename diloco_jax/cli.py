@@ -28,7 +28,7 @@ CACHE_ENV = "DILOCO_JAX_CACHE"
 def enable_compilation_cache() -> None:
   """Reuse compiled XLA programs across runs (the same shapes recompile in seconds otherwise, minutes on
   big models). Directory: $DILOCO_JAX_CACHE, default ~/.cache/diloco_jax/xla; set it empty to disable."""
-  import jax
+  import jax  # lazy: commands without jax (sim, the launcher's help) start without importing it
 
   path = os.environ.get(CACHE_ENV, str(pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"))
   if path:
@@ -38,29 +38,34 @@ def enable_compilation_cache() -> None:
 
 
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
-          config_required: bool = True, doc: str = "") -> flags.FlagValues:
-  """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
+          doc: str = "", *, config: bool = True) -> flags.FlagValues:
+  """Parse `argv` (argv[0] is the program name) into a fresh FlagValues, with a required `--config` (and
+  the XLA compilation cache on) unless `config=False` (commands that train nothing).
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
   message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0.
   """
-  enable_compilation_cache()
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
-                                  "--config.<field>=<value> overrides a field.",
-                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  if config:
+    enable_compilation_cache()
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+                                    "--config.<field>=<value> overrides a field.",
+                                    flag_values=fv, lock_config=True, sys_argv=argv)
   if define_extra:
     define_extra(fv)
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    print(f"{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc else fv.get_help())
+    print(f"usage: {argv[0]} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
+          else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
   try:
     fv(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
     detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
-    raise UsageError(f"bad config override among {overrides}: {detail}") from None
-  if config_required and fv.config is None:
+    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    if any(part in detail for o in overrides for part in o.split(".")[1:]):
+      raise UsageError(f"bad config override among {overrides}: {detail}") from None
+    raise UsageError(f"{detail} (see {argv[0]} --help)") from None
+  if config and fv.config is None:
     raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
   return fv
 

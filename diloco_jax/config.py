@@ -6,13 +6,15 @@ checks a config before anything compiles and raises `ConfigError` naming the bad
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import ml_collections
 
 from diloco_jax import mesh as mesh_lib
-
-CODECS = ("fp32", "bf16", "int8", "int4")
-MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
-FRAGMENT_PLANS = ("strided", "balanced")
+from diloco_jax.codec import CODECS
+from diloco_jax.fragments import PLANS
+from diloco_jax.outer import MERGE_RULES
 
 
 class ConfigError(ValueError):
@@ -175,8 +177,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
         _fail(f"outer.{field}", f"must be one of {CODECS}, got {o[field]!r}")
     if o.merge not in MERGE_RULES:
       _fail("outer.merge", f"must be one of {MERGE_RULES}, got {o.merge!r}")
-    if o.fragment_plan not in FRAGMENT_PLANS:
-      _fail("outer.fragment_plan", f"must be one of {FRAGMENT_PLANS}, got {o.fragment_plan!r}")
+    if o.fragment_plan not in PLANS:
+      _fail("outer.fragment_plan", f"must be one of {PLANS}, got {o.fragment_plan!r}")
     if not 0.0 <= o.alpha < 1.0:
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
@@ -211,9 +213,6 @@ _FINGERPRINT_FIELDS = ("model", "data.seq_len", "outer.num_fragments", "outer.sy
 
 def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:
   """A short hash of the run id and the config fields that must match across a run's processes."""
-  import hashlib
-  import json
-
   def get(path):
     node = c
     for part in path.split("."):

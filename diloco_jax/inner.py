@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import model as model_lib
@@ -101,7 +100,3 @@ def make_eval_step(graphdef, mesh, param_shardings):
 def put_batch(tokens, mesh) -> jax.Array:
   """Host batch -> device batch split over the data and fsdp axes."""
   return jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
-
-
-def shardings_of(tree) -> Any:
-  return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else None, tree)

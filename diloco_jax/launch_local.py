@@ -24,6 +24,7 @@ the launcher dies (Linux parent-death signal).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pathlib
@@ -34,10 +35,19 @@ import subprocess
 import sys
 import time
 
+# jax only serves the final eval, on devices this launcher sets up in `main` before the backend starts.
+import jax
+import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import metrics as metrics_lib
 from diloco_jax import outer as outer_lib
+from diloco_jax import protocol
+from diloco_jax import trainer as trainer_lib
+from diloco_jax.syncer import build
+from diloco_jax.syncer import checkpoint as syncer_checkpoint
+from diloco_jax.transports.grpc import GrpcTransport
 
 EXIT_FAILED = 1
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -86,8 +96,6 @@ def child_env(num_devices: int) -> dict[str, str]:
 def _die_with_parent() -> None:
   """In the child, before exec: SIGTERM when the launcher dies (Linux), so no child outlives it."""
   try:
-    import ctypes
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
   except (OSError, AttributeError):
     pass
@@ -175,16 +183,7 @@ def write_token(path: pathlib.Path) -> None:
 
 def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str) -> float | None:
   """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices."""
-  import jax
-  import numpy as np
-
-  from diloco_jax import fragments as fragments_lib
-  from diloco_jax import train as train_lib
-  from diloco_jax import trainer as trainer_lib
-  from diloco_jax.syncer import checkpoint as syncer_checkpoint
-  from diloco_jax.syncer import server as server_lib
-
-  core, _ = server_lib.build_core(config, run_id)
+  core, _ = build.build_core(config, run_id)
   ckpt = syncer_checkpoint.SyncerCheckpointer(syncer_dir / "syncer_checkpoints", keep=1 << 20,
                                               async_save=False)
   try:
@@ -195,9 +194,8 @@ def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str) -> float | No
   devices = jax.devices()[:config.learners.devices]
   trainer = trainer_lib.MeshTrainer(config, devices, None,
                                     batch_size=config.data.global_batch // config.learners.num)
-  o = config.outer
-  plan = fragments_lib.make_plan(trainer.state.params, o.num_fragments, o.sync_every, o.fragment_plan)
-  params = train_lib.global_params(core, plan, jax.tree.map(np.asarray, trainer.state.params))
+  plan = build.fragment_plan(config, trainer.state.params)
+  params = build.global_params(core, plan, jax.tree.map(np.asarray, trainer.state.params))
   return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
 
 
@@ -253,8 +251,6 @@ class Launcher:
 
   def watch(self, quiet: bool = False) -> None:
     """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""
-    from diloco_jax import metrics as metrics_lib
-
     steps = self.config.train.steps
     dirs = [self.workdir / f"learner_{i}" for i in range(len(self.learners))]
     bar = None if quiet else metrics_lib.progress(steps * len(dirs), desc="local")
@@ -281,13 +277,9 @@ class Launcher:
         bar.close()
 
   def syncer_status(self) -> dict | None:
-    from diloco_jax import grpc_transport
-    from diloco_jax.syncer import server as server_lib
-
     try:
-      token = server_lib.read_token(str(self.workdir / "token"))
-      with grpc_transport.GrpcTransport(f"127.0.0.1:{self.port}", token, -1,
-                                        unreachable_deadline_s=10.0) as t:
+      token = protocol.read_token(str(self.workdir / "token"))
+      with GrpcTransport(f"127.0.0.1:{self.port}", token, -1, unreachable_deadline_s=10.0) as t:
         return t.status()
     except Exception as e:  # noqa: BLE001 - the summary is still worth writing without it
       print(f"local: could not read the syncer's status: {e}", file=sys.stderr)
@@ -328,17 +320,17 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
       "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
       "bytes_sent": sum(s["bytes_sent"] for s in done),
       "bytes_received": sum(s["bytes_received"] for s in done),
-      "payload_bytes_sent": sum(s.get("payload_bytes_sent", 0) for s in done),
-      "payload_bytes_received": sum(s.get("payload_bytes_received", 0) for s in done),
+      "payload_bytes_sent": sum(s["payload_bytes_sent"] for s in done),
+      "payload_bytes_received": sum(s["payload_bytes_received"] for s in done),
       "comm_bytes": sum(s["bytes_sent"] + s["bytes_received"] for s in done) / max(len(done), 1),
       "syncer": status,
   }
   if status:
-    counters = status.get("counters", {})
-    summary.update(versions=status.get("versions"), outer_rounds=counters.get("rounds"),
-                   contributions_merged=counters.get("contributions_merged"),
-                   contributions_rejected=counters.get("contributions_rejected"),
-                   tokens_merged=outer_lib.tokens_merged(counters.get("tokens_merged", 0),
+    counters = status["counters"]
+    summary.update(versions=status["versions"], outer_rounds=counters["rounds"],
+                   contributions_merged=counters["contributions_merged"],
+                   contributions_rejected=counters["contributions_rejected"],
+                   tokens_merged=outer_lib.tokens_merged(counters["tokens_merged"],
                                                          num_fragments))
   return summary
 
@@ -391,8 +383,6 @@ def main(argv) -> int:
   summary["exit_codes"] = codes
   if fv.eval:
     summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id)
-  from diloco_jax import metrics as metrics_lib
-
   metrics_lib.write_summary(workdir, summary)
   loss = summary.get("final_eval_loss")
   print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, versions {summary.get('versions')}, "

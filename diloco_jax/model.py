@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import mesh as mesh_lib
 
@@ -175,10 +174,6 @@ def abstract_model(model_cfg, mesh):
   cfg = _to_plain_cfg(model_cfg)
   graphdef, abstract = nnx.get_abstract_model(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
   return graphdef, nnx.to_pure_dict(abstract)
-
-
-def param_shardings(model_cfg, mesh) -> Params:
-  return jax.tree.map(lambda a: a.sharding, abstract_model(model_cfg, mesh)[1])
 
 
 def init_params(model_cfg, mesh, seed: int = 0):

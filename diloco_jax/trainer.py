@@ -2,8 +2,9 @@
 DiLoCo learner share.
 
 `MeshTrainer` owns the sharded train state, its data shard (a grain iterator), the jitted inner and eval
-steps, checkpoints and the step/token counters. The loops around it (`baseline.py`, `learner/loop.py`)
-decide what happens between steps.
+steps, checkpoints and the step/token counters. `run_loop` is the loop skeleton both the baseline and the
+learners run (metrics records, evals, checkpoints); what differs (the learner's outer loop) happens inside
+the step function they hand it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import os
 import pathlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -75,13 +76,16 @@ class MeshTrainer:
     self.state, data_state, meta = restored
     self.data.set_state(data_state)
     self.step, self.tokens = int(meta["step"]), int(meta["tokens"])
-    self.restored_meta = meta
     return True
 
   def save(self, extra_meta: dict | None = None) -> None:
     if self.checkpointer is not None:
       meta = {"step": self.step, "tokens": self.tokens, **(extra_meta or {})}
       self.checkpointer.save(self.step, self.state, self.data.get_state(), meta)
+
+  def set_state(self, state: inner.TrainState) -> None:
+    """Replace the train state (a learner adopting a merged fragment); shardings must be unchanged."""
+    self.state = state
 
   def train_step(self):
     """One inner step; returns its metrics as device arrays (not fetched)."""
@@ -127,3 +131,39 @@ class RateMeter:
     rate = (tokens - self._tokens) / max(now - self._t, 1e-9)
     self._t, self._tokens = now, tokens
     return rate
+
+
+def run_loop(trainer: MeshTrainer, log, *, steps: int, step_fn: Callable[[], None] | None = None,
+             record_fields: Callable[[], dict] | None = None, on_record: Callable[[dict], None] | None = None,
+             on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+             checkpoint_meta: dict | None = None) -> float | None:
+  """Step `trainer` until `steps` (or `should_stop()`); returns the last eval loss (None if none ran).
+
+  `log`: a `metrics.MetricsLog` (or None).
+
+  `step_fn` runs one step (default `trainer.train_step`; a learner's also runs its outer loop). Every
+  `train.log_every` steps and at the last, a record {step, tokens, tokens_per_s, loss, grad_norm,
+  **record_fields()} goes to `log` (and `on_record`), with `eval_loss` every `train.eval_every` steps and at
+  the last; a checkpoint every `train.checkpoint_every` steps (0: none here; the caller saves at the end).
+  """
+  t = trainer.config.train
+  step_fn = step_fn or trainer.train_step
+  rate = RateMeter(trainer.tokens)
+  eval_loss = None
+  while trainer.step < steps and not (should_stop and should_stop()):
+    step_fn()
+    s = trainer.step
+    if s % t.log_every == 0 or s == steps:
+      record = {"step": s, "tokens": trainer.tokens, "tokens_per_s": rate.read(trainer.tokens),
+                **(record_fields() if record_fields else {}), **trainer.fetch_metrics()}
+      if s % t.eval_every == 0 or s == steps:
+        eval_loss = record["eval_loss"] = trainer.evaluate()
+      if log is not None:
+        log.write(record)
+      if on_record:
+        on_record(record)
+    if t.checkpoint_every and s % t.checkpoint_every == 0:
+      trainer.save(checkpoint_meta)
+    if on_step:
+      on_step()
+  return eval_loss

@@ -6,11 +6,8 @@ is a tiny model for a few dozen steps.
 """
 
 import json
-import os
-import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,104 +15,15 @@ import time
 import psutil
 import pytest
 
-from diloco_jax import grpc_transport
+import helpers
 from diloco_jax import launch_local
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TOKEN = "process-test-token-0123456789abcdef"
-TIMEOUT_S = 240.0
-
-
-def overrides(steps: int = 20, **extra) -> list[str]:
-  fields = {
-      "learners.num": 2, "learners.devices": 1, "train.steps": steps, "train.warmup_steps": 2,
-      "train.log_every": 2, "train.eval_every": 10_000, "train.checkpoint_every": 5,
-      "outer.sync_every": 5, "outer.lease_s": 3.0, "outer.min_quorum": 1, "outer.max_grace_s": 0.2,
-      "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8, "data.max_bytes": 60_000,
-      "data.eval_batches": 1, "syncer.checkpoint_every_rounds": 2, "comms.max_backoff_s": 0.5,
-      "comms.unreachable_deadline_s": 120.0,
-  }
-  fields.update(extra)
-  return ["--config", "configs/tiny_cpu.py"] + [f"--config.{k}={v}" for k, v in fields.items()]
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Run:
-  """The children of one test, each logging to tmp/logs/<name>.log; `kill_all` in a finally block."""
-
-  def __init__(self, tmp: pathlib.Path, config_argv: list[str]):
-    self.tmp, self.config_argv = tmp, config_argv
-    (tmp / "logs").mkdir(exist_ok=True)
-    self.token_file = tmp / "token"
-    self.token_file.write_text(TOKEN + "\n")
-    self.token_file.chmod(0o600)
-    self.procs: dict[str, subprocess.Popen] = {}
-    self.port = None
-
-  def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
-    log = open(self.tmp / "logs" / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", *argv], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env=launch_local.child_env(devices))
-    log.close()
-    self.procs[name] = proc
-    return proc
-
-  def syncer(self, bind: str = "127.0.0.1:0") -> subprocess.Popen:
-    port_file = self.tmp / "syncer" / "syncer.port"
-    port_file.unlink(missing_ok=True)
-    proc = self.spawn("syncer", ["syncer", *self.config_argv, "--workdir", str(self.tmp / "syncer"),
-                                 "--bind", bind, "--token-file", str(self.token_file)])
-    wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit() or proc.poll() is not None,
-             "syncer port file")
-    assert proc.poll() is None, self.log("syncer")
-    self.port = int(port_file.read_text())
-    return proc
-
-  def learner(self, i: int) -> subprocess.Popen:
-    return self.spawn(f"learner_{i}", ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
-                                       "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
-                                       "--token-file", str(self.token_file)])
-
-  def status(self) -> dict:
-    with grpc_transport.GrpcTransport(f"127.0.0.1:{self.port}", TOKEN, -1, unreachable_deadline_s=30.0) as t:
-      return t.status()
-
-  def log(self, name: str) -> str:
-    return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")[-4000:]
-
-  def summary(self, i: int) -> dict:
-    return json.loads((self.tmp / f"learner_{i}" / "summary.json").read_text())
-
-  def step(self, i: int) -> int:
-    return launch_local.learner_progress(self.tmp / f"learner_{i}")["step"]
-
-  def wait_ok(self, name: str, timeout: float = TIMEOUT_S) -> None:
-    try:
-      rc = self.procs[name].wait(timeout)
-    except subprocess.TimeoutExpired:
-      pytest.fail(f"{name} still running after {timeout}s:\n{self.log(name)}")
-    assert rc == 0, f"{name} exited {rc}:\n{self.log(name)}"
-
-  def kill_all(self) -> None:
-    for proc in self.procs.values():
-      if proc.poll() is None:
-        proc.kill()
-      proc.wait()
-
-
-def wait_for(predicate, what: str, timeout: float = TIMEOUT_S, poll: float = 0.2):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    value = predicate()
-    if value:
-      return value
-    time.sleep(poll)
-  pytest.fail(f"timed out after {timeout}s waiting for {what}")
+REPO = helpers.REPO
+TIMEOUT_S = helpers.PROCESS_TIMEOUT_S
+Run = helpers.ProcessRun
+overrides = helpers.tiny_overrides
+free_port = helpers.free_port
+wait_for = helpers.wait_for
 
 
 def total_versions(status: dict) -> int:

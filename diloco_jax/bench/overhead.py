@@ -23,10 +23,8 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import inprocess
 from diloco_jax import trainer as trainer_lib
-from diloco_jax import transport as transport_lib
-from diloco_jax.learner import loop as loop_lib
-from diloco_jax.syncer import server as syncer_server
 
 
 def _flags(fv):
@@ -94,9 +92,8 @@ def main(argv) -> int:
         file=sys.stderr)
 
   bare = trainer_lib.MeshTrainer(config, devices, None, batch_size=batch, num_shards=config.learners.num)
-  core, fingerprint = syncer_server.build_core(config, "bench-overhead")
-  ticker = transport_lib.Ticker(core)
-  learner = loop_lib.Learner(config, 0, devices, transport_lib.InProcessTransport(core), fingerprint, None)
+  job = inprocess.InProcessRun(config, None, learner_ids=[0], devices=devices, run_id="bench-overhead")
+  learner = job.learners[0]
   learner.join()
   # Warm up: compile the steps, the outer-gradient and adoption functions of every fragment.
   _timed(bare.train_step, bare, 3)
@@ -114,8 +111,7 @@ def main(argv) -> int:
       learner.train_step()
     jax.block_until_ready(learner.trainer.state.params)
   learner.flush()
-  learner.close()
-  ticker.stop()
+  job.close()
 
   plan = learner.plan
   largest = max(plan.size(p) for p in range(plan.num_fragments)) * 4

@@ -19,7 +19,7 @@ from absl import flags
 
 from diloco_jax import baseline
 from diloco_jax import cli
-from diloco_jax import train
+from diloco_jax import inprocess
 
 
 def _flags(fv):
@@ -39,7 +39,7 @@ def main(argv) -> int:
         f"P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum or 'all'}), "
         f"{config.train.steps} steps x {config.data.global_batch} sequences each", file=sys.stderr)
   dp = baseline.run(config, str(root / "dp"))
-  dl = train.run(config, str(root / "diloco"))
+  dl = inprocess.run(config, str(root / "diloco"))
   result = {
       "dp_eval_loss": dp["final_eval_loss"], "diloco_eval_loss": dl["final_eval_loss"],
       "loss_ratio": dl["final_eval_loss"] / dp["final_eval_loss"],

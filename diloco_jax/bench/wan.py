@@ -1,6 +1,6 @@
 """`python -m diloco_jax bench wan --config configs/tiny_cpu.py [--gbps X --latency-ms L --steps N --json]`
 
-A learner's compute utilization on an emulated slow link (DESIGN.md section 5: inner-step time / wall
+A learner's compute utilization on an emulated slow link (inner-step time / wall
 time), with and without overlap. Each mode runs in this process: a real gRPC syncer (`syncer.server.serve`
 around `build_core`, loopback, token auth) and one learner (`learners.num = 1`, so a quorum of one) on its
 device slice, talking to it through `GrpcTransport(wan=WanLink(...))`: the bandwidth cap (a token bucket
@@ -59,12 +59,14 @@ import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
-from diloco_jax import grpc_transport  # noqa: E402
+from diloco_jax import model as model_lib  # noqa: E402
 from diloco_jax import trainer as trainer_lib  # noqa: E402
-from diloco_jax import transport as transport_lib  # noqa: E402
-from diloco_jax import wan as wan_lib  # noqa: E402
 from diloco_jax.learner import loop as loop_lib  # noqa: E402
-from diloco_jax.syncer import server as syncer_server  # noqa: E402
+from diloco_jax.syncer import build  # noqa: E402
+from diloco_jax.syncer import service  # noqa: E402
+from diloco_jax.syncer.ticker import Ticker  # noqa: E402
+from diloco_jax.transports import wan as wan_lib  # noqa: E402
+from diloco_jax.transports.grpc import GrpcTransport  # noqa: E402
 
 GOAL_UTIL = 0.95
 GOAL_STALL = 0.30
@@ -163,12 +165,12 @@ def run_mode(config, mode: Mode, devices, spec: wan_lib.WanSpec, steps: int, bar
   c = _mode_config(config, mode)
   h = c.outer.sync_every
   token = secrets.token_hex(16)
-  core, fingerprint = syncer_server.build_core(c, f"bench-wan-{mode.name}")
-  ticker = transport_lib.Ticker(core)
-  handle = syncer_server.serve(core, "127.0.0.1:0", token=token, limits=syncer_server.Limits.from_config(c),
+  core, fingerprint = build.build_core(c, f"bench-wan-{mode.name}")
+  ticker = Ticker(core)
+  handle = service.serve(core, "127.0.0.1:0", token=token, limits=service.Limits.from_config(c),
                                fingerprint=fingerprint)
   link = wan_lib.WanLink(spec)
-  transport = grpc_transport.GrpcTransport(
+  transport = GrpcTransport(
       f"127.0.0.1:{handle.port}", token, 0, fingerprint=fingerprint, wan=link,
       chunk_bytes=int(c.comms.chunk_kb) * 1024, max_message_bytes=int(c.syncer.max_message_mb) << 20)
   learner = None
@@ -257,7 +259,6 @@ def verdict(rows) -> dict:
 def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: float = 0.5, steps: int = 0,
         int4: bool = True, sync_steps: bool = True, log=lambda msg: None) -> dict:
   """The benchmark; returns {"link": ..., "bare_step_s": ..., "rows": [...], "goal": ...}."""
-  from diloco_jax import model as model_lib
 
   config = config.copy_and_resolve_references()
   config.learners.num = 1

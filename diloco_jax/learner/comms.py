@@ -16,17 +16,15 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
 
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.syncer.core import Published, Push, Rejected
+from diloco_jax.protocol import REJOIN_REASONS, Published, Push, Rejected, Transport
 
 log = logging.getLogger(__name__)
 
-# Rejections that mean "the syncer forgot us" (it restarted, or our lease lapsed): join again and retry.
-_REJOIN_REASONS = ("not_member", "unknown_learner")
+_STEP_TIME_EMA = 0.1  # weight of the newest step in the step time reported to the syncer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +43,7 @@ class SyncResult:
 class Comms:
   """Background network worker of one learner (one per learner; thread-safe)."""
 
-  def __init__(self, transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
+  def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
                pull_timeout_s: float = 5.0):
     self.transport = transport
@@ -53,14 +51,35 @@ class Comms:
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
-    self.step_time_s = 0.0  # written by the inner loop, read by the heartbeat thread
+    self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
     self.rejected: list[str] = []
+    self._lock = threading.Lock()
+    self._payload_sent = self._payload_received = self._pushes = 0
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
     self._heartbeat_s = heartbeat_s
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
+
+  def report_step_time(self, seconds: float) -> None:
+    """The inner loop's latest step time; its running average feeds the syncer's grace window."""
+    with self._lock:
+      s = self._step_time_s
+      self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
+
+  @property
+  def step_time_s(self) -> float:
+    with self._lock:
+      return self._step_time_s
+
+  def traffic(self) -> dict[str, int]:
+    """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
+    fragment payload bytes of accepted pushes and of pulls (what the syncer counts as bytes_in / out)."""
+    with self._lock:
+      return {"bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
+              "payload_bytes_sent": self._payload_sent, "payload_bytes_received": self._payload_received,
+              "pushes": self._pushes}
 
   def join(self) -> dict[int, int]:
     """Joins the run; returns the current version of every fragment. Starts the heartbeat."""
@@ -92,6 +111,8 @@ class Comms:
                                    f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
       if published.kind not in ("full", "delta"):
         raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
+      with self._lock:
+        self._payload_received += len(published.payload)
       return published, self._decode(published)
     raise RuntimeError("comms stopped")
 
@@ -131,12 +152,16 @@ class Comms:
 
   def _push(self, push: Push):
     try:
-      return self.transport.push(push)
+      receipt = self.transport.push(push)
     except Rejected as e:
-      if e.reason not in _REJOIN_REASONS:
+      if e.reason not in REJOIN_REASONS:
         raise
       self.transport.join(self.learner_id, self.fingerprint)
-      return self.transport.push(push)
+      receipt = self.transport.push(push)
+    with self._lock:  # only an accepted push reaches the syncer's count
+      self._payload_sent += len(push.payload)
+      self._pushes += 1
+    return receipt
 
   def _decode(self, published: Published) -> np.ndarray:
     if codec_lib.checksum(published.payload) != published.checksum:
@@ -148,7 +173,7 @@ class Comms:
       try:
         self.transport.heartbeat(self.learner_id, self.step_time_s)
       except Rejected as e:
-        if e.reason in _REJOIN_REASONS:
+        if e.reason in REJOIN_REASONS:
           try:
             self.transport.join(self.learner_id, self.fingerprint)
           except Exception as join_error:  # noqa: BLE001 - keep heartbeating; the next beat retries
@@ -159,7 +184,7 @@ class Comms:
   def close(self, leave: bool = True) -> None:
     self._pool.shutdown(wait=True)
     self._stop.set()
-    if leave and hasattr(self.transport, "leave"):
+    if leave:
       try:
         self.transport.leave(self.learner_id)
       except Exception as e:  # noqa: BLE001

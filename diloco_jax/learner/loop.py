@@ -121,7 +121,7 @@ class Learner:
     # The base starts as a device copy of the initial parameters; the syncer starts from the same ones.
     self.base = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sh.params)(self.trainer.state.params)
     self.comms = Comms(transport, learner_id, fingerprint, codec=outer.codec,
-                       downlink_codec=outer.get("downlink_codec", outer.codec), block=outer.codec_block,
+                       downlink_codec=outer.downlink_codec, block=outer.codec_block,
                        sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
                        max_in_flight=outer.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
     self.base_version = [0] * self.plan.num_fragments
@@ -171,7 +171,8 @@ class Learner:
     keep = float(self._keep_progress and snapshot is not None)
     if snapshot is None:
       snapshot = self._zeros[p]
-    self.trainer.state, self.base = adopt_fn(self.trainer.state, self.base, vec, snapshot, self._alpha, keep)
+    state, self.base = adopt_fn(self.trainer.state, self.base, vec, snapshot, self._alpha, keep)
+    self.trainer.set_state(state)
     self.base_version[p] = result.version
     self.base_epoch[p] = result.epoch
     self.stats.adopted += 1
@@ -229,8 +230,7 @@ class Learner:
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    # An EMA of the step time for the syncer's grace window.
-    self.comms.step_time_s = elapsed if self.comms.step_time_s == 0 else 0.9 * self.comms.step_time_s + 0.1 * elapsed
+    self.comms.report_step_time(elapsed)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
@@ -251,40 +251,24 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
   """Join, train to `train.steps` with the outer loop, flush, checkpoint; returns this learner's summary.
 
   `on_step()` is called after every step (progress bars); `should_stop()` ends training early (a signal).
-  Metrics go to `learner.log` at `train.log_every`, with the learner's local eval loss at `eval_every`.
+  Metrics go to `learner.log` (`trainer.run_loop`), with the learner's local eval loss.
   """
   config, trainer = learner.config, learner.trainer
-  total = config.train.steps
   t0 = time.perf_counter()
   learner.join()
-  rate = trainer_lib.RateMeter(trainer.tokens)
-  eval_loss = None
-  while trainer.step < total and not (should_stop and should_stop()):
-    learner.train_step()
-    s = trainer.step
-    if s % config.train.log_every == 0 or s == total:
-      m = trainer.fetch_metrics()
-      record = {"learner": learner.learner_id, "step": s, "tokens": trainer.tokens,
-                "tokens_per_s": rate.read(trainer.tokens), "blocked_s": learner.stats.blocked_s,
-                "versions": list(learner.base_version), **m}
-      if s % config.train.eval_every == 0:
-        eval_loss = record["eval_loss"] = trainer.evaluate()
-      if learner.log is not None:
-        learner.log.write(record)
-    if config.train.checkpoint_every and s % config.train.checkpoint_every == 0:
-      trainer.save({"learner": learner.learner_id})
-    if on_step:
-      on_step()
+  eval_loss = trainer_lib.run_loop(
+      trainer, learner.log, steps=config.train.steps, step_fn=learner.train_step,
+      record_fields=lambda: {"learner": learner.learner_id, "blocked_s": learner.stats.blocked_s,
+                             "versions": list(learner.base_version)},
+      on_step=on_step, should_stop=should_stop, checkpoint_meta={"learner": learner.learner_id})
   learner.flush()
   trainer.save({"learner": learner.learner_id})
   wall = time.perf_counter() - t0
-  transport = learner.comms.transport
   return {
       "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall,
       "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
       "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
       "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
-      "rejected_pushes": list(learner.comms.rejected),
-      "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
+      "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
       "local_eval_loss": eval_loss,
   }

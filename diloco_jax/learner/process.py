@@ -32,70 +32,19 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
+import jax
 from absl import flags
 
 from diloco_jax import cli
-
-log = logging.getLogger(__name__)
+from diloco_jax import config as config_lib
+from diloco_jax import metrics as metrics_lib
+from diloco_jax import protocol
+from diloco_jax.learner import loop as loop_lib
+from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
 EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-class PayloadCounter:
-  """Wraps a transport and counts the fragment payload bytes of successful pushes and pulls.
-
-  The transport's own `bytes_sent` / `bytes_received` count everything on the wire (every message of every
-  call, retries, framing); these count only the fragment payloads, the figure the syncer core counts as
-  `counters["bytes_in"]` / `["bytes_out"]`, so the two ends can be reconciled. Everything else is
-  delegated, so the learner sees the wrapped transport's interface unchanged.
-  """
-
-  def __init__(self, transport):
-    self._transport = transport
-    self._lock = threading.Lock()
-    self.payload_bytes_sent = 0
-    self.payload_bytes_received = 0
-    self.pushes = 0
-
-  def push(self, push):
-    receipt = self._transport.push(push)  # only an accepted push reaches the core's counter
-    with self._lock:
-      self.payload_bytes_sent += len(push.payload)
-      self.pushes += 1
-    return receipt
-
-  def pull(self, *args, **kwargs):
-    published = self._transport.pull(*args, **kwargs)
-    payload = getattr(published, "payload", None)
-    if payload is not None:
-      with self._lock:
-        self.payload_bytes_received += len(payload)
-    return published
-
-  def __getattr__(self, name):
-    return getattr(self._transport, name)
-
-
-def make_transport(config, target: str, token: str, learner_id: int, *, tls_ca=None, tls_cert=None,
-                   tls_key=None, tls_server_name=None):
-  """A `GrpcTransport` configured from `config.comms` (retries, chunks, WAN emulation)."""
-  from diloco_jax import grpc_transport
-  from diloco_jax import wan as wan_lib
-
-  c = config.comms
-  wan = None
-  if c.wan_gbps > 0 or c.wan_latency_ms > 0:
-    wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms))
-  return grpc_transport.GrpcTransport(
-      target, token, learner_id, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-      tls_server_name=tls_server_name, wan=wan, chunk_bytes=int(c.chunk_kb) * 1024,
-      max_message_bytes=int(config.syncer.max_message_mb) << 20,
-      unreachable_deadline_s=float(c.unreachable_deadline_s), backoff_s=float(c.backoff_s),
-      max_backoff_s=float(c.max_backoff_s), call_timeout_s=float(c.call_timeout_s))
 
 
 class StopSignals:
@@ -149,12 +98,6 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         num_devices: int | None = None, tls: dict | None = None, quiet: bool = False) -> dict:
   """Train one learner against the syncer at `target` until `train.steps` or a signal; returns the
   summary (also written to `<workdir>/summary.json`)."""
-  import jax
-
-  from diloco_jax import config as config_lib
-  from diloco_jax import metrics as metrics_lib
-  from diloco_jax.learner import loop as loop_lib
-
   t0 = time.perf_counter()
   k = num_devices or config.learners.devices
   devices = jax.devices()
@@ -164,9 +107,9 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         f"{len(devices)} {devices[0].platform} device(s); for fake CPU devices start it with "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
   fingerprint = config_lib.fingerprint(config, run_id)
-  counter = PayloadCounter(make_transport(config, target, token, learner_id, **(tls or {})))
+  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {}))
   metrics_log = metrics_lib.MetricsLog(workdir)
-  learner = loop_lib.Learner(config, learner_id, devices[:k], counter, fingerprint, workdir,
+  learner = loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir,
                              metrics_log=metrics_log)
   start_step = learner.trainer.step
   if not quiet:
@@ -186,14 +129,12 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
       bar.close()
     # Leave only after a clean finish: a crashed learner keeps its membership until its lease lapses.
     learner.close(leave=summary is not None)
-    counter.close()
+    transport.close()
     metrics_log.close()
   summary.update({
       "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
       "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps,
-      "payload_bytes_sent": counter.payload_bytes_sent,
-      "payload_bytes_received": counter.payload_bytes_received, "pushes": counter.pushes,
-      "retries": counter.retries, "fingerprint": fingerprint, "devices": k,
+      "retries": transport.retries, "fingerprint": fingerprint, "devices": k,
   })
   metrics_lib.write_summary(workdir, summary)
   if not quiet:
@@ -206,10 +147,6 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
 
 def main(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
-  from diloco_jax import grpc_transport
-  from diloco_jax.syncer import core as core_lib
-  from diloco_jax.syncer import server as server_lib
-
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   config = fv.config
@@ -226,7 +163,7 @@ def main(argv) -> int:
   # Validate as one learner of the run: the device total is checked above, per process.
   cli.validated(config, config.learners.num * k, learners=True)
   try:
-    token = server_lib.read_token(fv["token-file"].value)
+    token = protocol.read_token(fv["token-file"].value)
   except (OSError, ValueError) as e:
     raise cli.UsageError(str(e)) from None
   tls = {"tls_ca": fv["tls-ca"].value, "tls_cert": fv["tls-cert"].value, "tls_key": fv["tls-key"].value,
@@ -234,10 +171,10 @@ def main(argv) -> int:
   try:
     run(config, target=fv.syncer, learner_id=learner_id, workdir=fv.workdir, token=token,
         run_id=fv["run-id"].value, num_devices=k, tls=tls)
-  except (grpc_transport.SyncerUnreachable, grpc_transport.AuthError) as e:
+  except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)
     return EXIT_FAILED
-  except core_lib.Rejected as e:
+  except protocol.Rejected as e:
     print(f"learner {learner_id}: refused by the syncer: {e}", file=sys.stderr)
     return EXIT_FAILED
   return 0

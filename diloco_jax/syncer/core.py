@@ -1,8 +1,9 @@
 """The syncer's state machine: membership, per-fragment rounds, merges and outer steps. No transport.
 
-One `SyncerCore` serves all learners of a run. Transports (`diloco_jax.transport.InProcessTransport`, the
-gRPC server) call `join`, `heartbeat`, `push`, `pull`, and something calls `tick` at `next_deadline()`
-(`transport.Ticker`; `push`, `heartbeat` and a blocking `pull` tick too). The clock is injectable, so the
+One `SyncerCore` serves all learners of a run; it implements `protocol.SyncerAPI`. Transports
+(`transports/inprocess.py`, the gRPC service `syncer/service.py`) call `join`, `heartbeat`, `push`, `pull`,
+and `syncer/ticker.py` calls `tick` at `next_deadline()` (`push`, `heartbeat` and a blocking `pull` tick
+too). The clock is injectable, so the
 whole policy can be tested with a fake clock and no sleeps.
 
 Membership. A learner joins with the run's fingerprint (another fingerprint is refused) and holds a lease
@@ -24,29 +25,8 @@ after its round's deadline goes into the next round (never lost); one based on a
 is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
 contributions merged (quorum counts it once).
 
-Downlink. With `downlink_codec` "fp32" every pull answers the global fragment Theta_v itself (kind
-"full"). With a lossy downlink codec the syncer never quantizes the weights: it publishes the quantized
-*change* of what learners hold ("reference-tracking delta"). It keeps, per fragment, the reference R_v:
-exactly (bitwise, float32) what a learner holds after adopting version v, with R_0 = Theta_0 (learners build
-the initial fragment bitwise-identically from the seed). On each commit
-
-    payload_v = encode(Theta_v - R_{v-1}, downlink_codec),   R_v = R_{v-1} + decode(payload_v)
-
-(one float32 numpy add, which the learner repeats on its device with the same IEEE rounding). The
-quantization residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most
-one quantization error of one delta instead of drifting. A pull that says it holds R_{v-1}
-(`have_version == v - 1`) gets the delta (kind "delta", `base_version` v - 1); any other gets R_v in fp32
-(kind "full": joins, restarts, learners that fell more than one version behind). Only the latest delta is
-kept, so the syncer holds about Theta, momentum, R and a cached full payload per fragment.
-
-Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
-older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
-still hold from before the crash. So the core draws a random nonzero 63-bit `epoch` when it is created
-and again on every `load_state_dict` (it is never checkpointed), stamps it on every `Published`, and a
-puller names the epoch of its reference too (`have_epoch`): the delta is served only to
-`have_version == v - 1` with `have_epoch == epoch`. The one exception is `have_version == 0`: R_0 is the
-seed's initial fragment in every epoch of a run (a checkpoint at version 0 holds it unchanged), so fresh
-learners, which hold R_0 before they ever heard of an epoch, still get their first delta.
+Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
+created and on every `load_state_dict`.
 
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
@@ -57,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import secrets
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -66,66 +45,11 @@ import numpy as np
 
 from diloco_jax import codec as codec_lib
 from diloco_jax import outer
+from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected
+from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
 
-REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
-           "checksum", "metadata", "nonfinite", "future_version")
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
-
-
-def new_epoch() -> int:
-  """A random nonzero 63-bit syncer epoch (0 means "unknown" on the wire; 63 bits fit signed int64 too)."""
-  return secrets.randbelow(2**63 - 1) + 1
-
-
-class Rejected(Exception):
-  """A request the syncer refuses. `reason` is one of `REASONS` (pushes) and the message says why."""
-
-  def __init__(self, reason: str, message: str):
-    super().__init__(f"{reason}: {message}")
-    self.reason = reason
-    self.message = message
-
-
-@dataclasses.dataclass(frozen=True)
-class Push:
-  """A learner's outer gradient for one fragment. `payload` encodes delta = base - local with `codec`."""
-
-  learner_id: int
-  fingerprint: str
-  fragment: int
-  base_version: int  # the version of the global fragment the learner's base is
-  steps: int  # inner steps since that fragment's last sync
-  tokens: int  # tokens over those steps
-  codec: str
-  payload: bytes
-  checksum: int  # codec.checksum(payload)
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReceipt:
-  fragment: int
-  round: int  # the round of the fragment this contribution went into
-  late: bool  # base_version < the fragment's version when the push arrived
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-  """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`.
-
-  kind "full": the decoded vector is the fragment at `version` (R_version; Theta_version with an fp32
-  downlink). kind "delta": it is R_version - R_base_version, to be added (one float32 add) to the reference
-  the learner holds, which must be the one of `base_version` (= version - 1) of the same `epoch`.
-  """
-
-  fragment: int
-  version: int
-  codec: str
-  payload: bytes
-  checksum: int
-  kind: str = "full"  # "full" | "delta"
-  base_version: int = -1  # for a delta: the version whose reference it applies to; -1 for a full fragment
-  epoch: int = 0  # the serving syncer's epoch (module docstring, "Epochs"); 0: unknown (an old syncer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +97,7 @@ class SyncerSettings:
         num_fragments=plan.num_fragments,
         sizes=tuple(plan.size(p) for p in range(plan.num_fragments)),
         codec=o.codec,
-        downlink_codec=o.get("downlink_codec", o.codec),
+        downlink_codec=o.downlink_codec,
         block=o.codec_block,
         merge_rule=o.merge,
         rda=bool(o.rda),
@@ -184,7 +108,7 @@ class SyncerSettings:
                             min_grace_s=o.min_grace_s, max_grace_s=o.max_grace_s),
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
-        scale_partial_rounds=bool(o.get("scale_partial_rounds", False)),
+        scale_partial_rounds=bool(o.scale_partial_rounds),
     )
 
 
@@ -252,7 +176,6 @@ class SyncerCore:
                        f"{settings.num_fragments}")
     self.settings = settings
     self.clock = clock
-    self.epoch = new_epoch()  # redrawn by load_state_dict; see the module docstring, "Epochs"
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
     self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
@@ -263,18 +186,24 @@ class SyncerCore:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
     self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
-    # The references R_v (see the module docstring). With an fp32 downlink R_v is Theta_v itself, shared.
-    self._delta_downlink = settings.downlink_codec != "fp32"
-    self._refs = [g.copy() if self._delta_downlink else g for g in self._globals]
-    self._deltas: list[Published | None] = [None] * settings.num_fragments  # the latest version's delta
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
     self.counters = _new_counters()
-    # The full answer per fragment; built lazily with a delta downlink (only joins and laggards need it).
-    self._full: list[Published | None] = [self._publish_full(p) for p in range(settings.num_fragments)]
+    self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
+                              epoch=new_epoch())
+
+  @property
+  def epoch(self) -> int:
+    """This syncer lifetime's epoch (`syncer/downlink.py`); redrawn by `load_state_dict`."""
+    return self._downlink.epoch
+
+  def max_payload_bytes(self) -> int:
+    """The largest valid push payload: the largest fragment in the run's uplink codec."""
+    s = self.settings
+    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
 
   # ---- membership ----
 
@@ -440,7 +369,7 @@ class SyncerCore:
                                                              merged)
     self._versions[p] += 1
     self._rounds[p] += 1
-    self._commit_downlink_locked(p)
+    self._downlink.commit(p, self._versions[p], self._globals[p])
     took = self.clock() - started
     first = self._t_sync[p] == 0.0
     self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
@@ -448,45 +377,20 @@ class SyncerCore:
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
 
-  def _commit_downlink_locked(self, p: int) -> None:
-    """Publish the fragment's new version: the full fp32 Theta_v, or the delta from R_{v-1} and R_v."""
-    s = self.settings
-    if not self._delta_downlink:
-      self._refs[p] = self._globals[p]
-      self._full[p] = self._publish_full(p)
-      return
-    version = self._versions[p]
-    payload = codec_lib.encode(self._globals[p] - self._refs[p], s.downlink_codec, s.block)
-    self._refs[p] = self._refs[p] + codec_lib.decode(payload, s.downlink_codec, s.sizes[p], s.block)
-    self._deltas[p] = Published(fragment=p, version=version, codec=s.downlink_codec, payload=payload,
-                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1,
-                                epoch=self.epoch)
-    self._full[p] = None
+  def global_fragments(self) -> list[np.ndarray]:
+    """Copies of the global fragments Theta (what the run trains)."""
+    with self._lock:
+      return [g.copy() for g in self._globals]
 
-  def _publish_full(self, p: int) -> Published:
-    payload = codec_lib.encode(self._refs[p], "fp32", self.settings.block)
-    return Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
-                     checksum=codec_lib.checksum(payload), epoch=self.epoch)
-
-  def _answer_locked(self, p: int, have_version: int, have_epoch: int) -> Published:
-    """The delta if the puller holds this epoch's R_{v-1} and we have that delta, else the full R_v."""
-    delta = self._deltas[p]
-    # R_0 is the same in every epoch (module docstring, "Epochs"); any later reference is only known to
-    # match ours if the puller got it from this epoch.
-    same_reference = have_epoch == self.epoch or have_version == 0
-    if (delta is not None and delta.version == self._versions[p] and have_version >= 0
-        and have_version == delta.base_version and same_reference):
-      self.counters["pulls_delta"] += 1
-      return delta
-    if self._full[p] is None or self._full[p].version != self._versions[p]:
-      self._full[p] = self._publish_full(p)
-    self.counters["pulls_full"] += 1
-    return self._full[p]
+  def rounds_closed(self) -> int:
+    """Rounds closed so far over all fragments (the sum of the fragment versions)."""
+    with self._lock:
+      return sum(self._versions)
 
   def reference(self, fragment: int) -> tuple[int, np.ndarray]:
     """(version, a copy of R_version): exactly what a learner that adopted that version holds."""
     with self._lock:
-      return self._versions[fragment], self._refs[fragment].copy()
+      return self._versions[fragment], self._downlink.reference(fragment)
 
   def next_deadline(self) -> float | None:
     """When `tick` should next run (clock time), or None if no round is open. Before a round's quorum,
@@ -520,7 +424,8 @@ class SyncerCore:
       while True:
         self._tick_locked()
         if self._versions[fragment] >= min_version:
-          published = self._answer_locked(fragment, have_version, have_epoch)
+          published = self._downlink.answer(fragment, have_version, have_epoch)
+          self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
           return published
         remaining = give_up - time.monotonic()
@@ -571,12 +476,7 @@ class SyncerCore:
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
-          # With an fp32 downlink R is Theta: not stored twice.
-          "downlink_codec": self.settings.downlink_codec,
-          "references": [r.copy() for r in self._refs] if self._delta_downlink else None,
-          "deltas": [None if d is None else {"version": d.version, "base_version": d.base_version,
-                                             "payload": np.frombuffer(d.payload, np.uint8).copy()}
-                     for d in self._deltas],
+          **self._downlink.state_dict(),
       }
 
   def load_state_dict(self, state: dict) -> None:
@@ -586,55 +486,25 @@ class SyncerCore:
     reached again with other references (module docstring, "Epochs").
     """
     s = self.settings
-    if state.get("fingerprint", s.fingerprint) != s.fingerprint:
+    if state["fingerprint"] != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
     opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
     versions = [int(v) for v in state["versions"]]
-    epoch = new_epoch()
-    refs, deltas = self._restore_downlink(state, fragments, versions, epoch)
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch())
     with self._lock:
-      self.epoch = epoch
       self._globals = fragments
       self._opt_states = opt_states
       self._versions = versions
-      self._refs, self._deltas = refs, deltas
+      self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
-      self._t_sync = [float(t) for t in state.get("t_sync", [0.0] * s.num_fragments)]
+      self._t_sync = [float(t) for t in state["t_sync"]]
       counters = _new_counters()
       for k, v in state["counters"].items():
         counters[k] = {r: int(n) for r, n in v.items()} if k == "rejected" else v
       counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
       self.counters = counters
       self._open = [None] * s.num_fragments
-      self._full = [None] * s.num_fragments
-      if not self._delta_downlink:
-        self._full = [self._publish_full(p) for p in range(s.num_fragments)]
       self._cond.notify_all()
-
-  def _restore_downlink(self, state: dict, fragments: list[np.ndarray], versions: list[int], epoch: int):
-    """References and latest deltas from a state dict. A checkpoint without references (an fp32 downlink
-    run, or an older format) gives R = Theta: what its learners were served; its deltas are dropped."""
-    s = self.settings
-    if not self._delta_downlink:
-      return list(fragments), [None] * s.num_fragments
-    saved = state.get("references")
-    if saved is None:
-      return [f.copy() for f in fragments], [None] * s.num_fragments
-    refs = [np.array(r, np.float32).reshape(-1) for r in saved]
-    if [r.size for r in refs] != list(s.sizes):
-      raise ValueError(f"checkpoint reference sizes {[r.size for r in refs]} != {list(s.sizes)}")
-    deltas: list[Published | None] = [None] * s.num_fragments
-    if state.get("downlink_codec") == s.downlink_codec:  # another codec's deltas cannot be served as ours
-      for p, d in enumerate(state.get("deltas") or []):
-        if d is None or int(d["version"]) != versions[p]:
-          continue
-        payload = np.asarray(d["payload"], np.uint8).tobytes()
-        if len(payload) != codec_lib.encoded_size(s.sizes[p], s.downlink_codec, s.block):
-          continue
-        deltas[p] = Published(fragment=p, version=versions[p], codec=s.downlink_codec, payload=payload,
-                              checksum=codec_lib.checksum(payload), kind="delta",
-                              base_version=int(d["base_version"]), epoch=epoch)
-    return refs, deltas

@@ -12,60 +12,94 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+from typing import Sequence
 
 import jax
 import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import outer as outer_lib
-from diloco_jax import transport as transport_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint as syncer_checkpoint
-from diloco_jax.syncer import server as syncer_server
+from diloco_jax.syncer.ticker import Ticker
+from diloco_jax.transports.inprocess import InProcessTransport
 
 RUN_ID = "in-process"
 
 
-def global_params(core, plan, template):
-  """The syncer's global model as a nested dict of host arrays shaped like `template`."""
-  fragments = core.state_dict()["fragments"]
-  leaves = {}
-  for p in range(plan.num_fragments):
-    leaves.update(fragments_lib.scatter(plan, p, np.asarray(fragments[p])))
-  return fragments_lib.replace_leaves(template, leaves)
+class InProcessRun:
+  """A syncer core, its ticker, and learners on disjoint slices of this process's devices, talking to the
+  core through `InProcessTransport`: the `train` command, benchmarks and tests build on it.
+
+  Args:
+    config: the run's config (validated).
+    workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
+      (`syncer/`); None: nothing on disk.
+    learner_ids: which learners to create (default: all `learners.num`); each gets `learners.devices`
+      devices, carved in order from `devices` (default `jax.devices()`).
+  """
+
+  def __init__(self, config, workdir: str | pathlib.Path | None, *, learner_ids: Sequence[int] | None = None,
+               devices: Sequence[jax.Device] | None = None, run_id: str = RUN_ID):
+    self.config = config
+    self.workdir = None if workdir is None else pathlib.Path(workdir)
+    ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
+    slices = mesh_lib.carve_slices(devices or jax.devices(), [config.learners.devices] * len(ids))
+    self.core, self.fingerprint = build.build_core(config, run_id)
+    self._syncer_ckpt = None
+    self.resumed = False
+    if self.workdir is not None:
+      self._syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(self.workdir / "syncer", keep=2)
+      self.resumed = syncer_checkpoint.restore_core(self._syncer_ckpt, self.core) is not None
+    self.ticker = Ticker(self.core)
+    self.learners = [
+        loop_lib.Learner(config, i, devices_i, InProcessTransport(self.core), self.fingerprint,
+                         None if self.workdir is None else str(self.workdir / f"learner_{i}"),
+                         metrics_log=None if self.workdir is None else
+                         metrics_lib.MetricsLog(self.workdir / f"learner_{i}"),
+                         async_checkpoints=False)
+        for i, devices_i in zip(ids, slices)
+    ]
+    self.plan = self.learners[0].plan
+
+  def evaluate_global(self) -> float:
+    """Eval loss of the syncer's global model, on the first learner's mesh."""
+    trainer = self.learners[0].trainer
+    params = build.global_params(self.core, self.plan, jax.tree.map(np.asarray, trainer.state.params))
+    return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
+
+  def close(self) -> None:
+    """Learners leave, the ticker stops, and the syncer's state is checkpointed (with a workdir)."""
+    for learner in self.learners:
+      learner.close(leave=True)
+      if learner.log is not None:
+        learner.log.close()
+    self.ticker.stop()
+    if self._syncer_ckpt is not None:
+      syncer_checkpoint.save_core(self._syncer_ckpt, self.core, rounds=self.core.rounds_closed())
+      self._syncer_ckpt.close()
 
 
 def run(config, workdir: str, *, quiet: bool = False) -> dict:
   """Train M learners with the syncer core in this process; returns the summary (also summary.json)."""
-  workdir = pathlib.Path(workdir)
   t0 = time.perf_counter()
   num = config.learners.num
-  slices = mesh_lib.carve_slices(jax.devices(), [config.learners.devices] * num)
-  core, fingerprint = syncer_server.build_core(config, RUN_ID)
-  syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(workdir / "syncer", keep=2)
-  resumed_syncer = syncer_checkpoint.restore_core(syncer_ckpt, core) is not None
-  ticker = transport_lib.Ticker(core)
-  learners = [
-      loop_lib.Learner(config, i, slices[i], transport_lib.InProcessTransport(core), fingerprint,
-                       str(workdir / f"learner_{i}"), metrics_log=metrics_lib.MetricsLog(workdir / f"learner_{i}"),
-                       async_checkpoints=False)
-      for i in range(num)
-  ]
-  plan = learners[0].plan
+  job = InProcessRun(config, workdir)
+  learners, plan = job.learners, job.plan
   params = learners[0].trainer.num_params
-  initial_eval = None if resumed_syncer else learners[0].trainer.evaluate()
+  initial_eval = None if job.resumed else learners[0].trainer.evaluate()
   if not quiet:
     sizes = [plan.size(p) for p in range(plan.num_fragments)]
     print(f"train: {num} learners x {config.learners.devices} devices, {params:,} params, "
           f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
           f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps, "
           f"codec {config.outer.codec}, quorum K={config.outer.min_quorum or num}"
-          + (", resumed" if resumed_syncer else ""))
+          + (", resumed" if job.resumed else ""))
   total = num * config.train.steps
   bar = metrics_lib.progress(total, initial=sum(l.trainer.step for l in learners), desc="train") if not quiet else None
   bar_lock = threading.Lock()
@@ -77,10 +111,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       with bar_lock:
         bar.update(1)
         if bar.n % 20 == 0:
-          status = core.status()
-          bar.set_postfix(versions=",".join(str(v) for v in status["versions"].values())
-                          if isinstance(status["versions"], dict) else status["versions"],
-                          merged=status["counters"]["contributions_merged"])
+          status = job.core.status()
+          bar.set_postfix(versions=status["versions"], merged=status["counters"]["contributions_merged"])
 
   def work(i):
     try:
@@ -95,20 +127,13 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
     t.join()
   if bar is not None:
     bar.close()
-  for learner in learners:
-    learner.close(leave=True)
-  ticker.stop()
-  syncer_checkpoint.save_core(syncer_ckpt, core, rounds=syncer_server.total_rounds(core))
-  syncer_ckpt.close()
+  job.close()
   if errors:
     raise errors[0]
 
-  # The product of the run is the syncer's global model: evaluate it on learner 0's mesh.
-  trainer0 = learners[0].trainer
-  final = jax.device_put(global_params(core, plan, jax.tree.map(np.asarray, trainer0.state.params)),
-                         trainer0.shardings.params)
-  final_eval = trainer0.evaluate(final)
-  status = core.status()
+  # The product of the run is the syncer's global model.
+  final_eval = job.evaluate_global()
+  status = job.core.status()
   counters = status["counters"]
   wall = time.perf_counter() - t0
   tokens = sum(r["tokens"] for r in results)
@@ -118,7 +143,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "params": params, "learners": results,
       "outer_rounds": counters["rounds"], "contributions_merged": counters["contributions_merged"],
       "contributions_late": counters["contributions_late"],
-      "contributions_rejected": counters["contributions_rejected"], "tokens_merged": outer_lib.tokens_merged(counters["tokens_merged"], plan.num_fragments),
+      "contributions_rejected": counters["contributions_rejected"],
+      "tokens_merged": outer_lib.tokens_merged(counters["tokens_merged"], plan.num_fragments),
       "bytes_sent": sum(r["bytes_sent"] for r in results),
       "bytes_received": sum(r["bytes_received"] for r in results),
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
@@ -140,6 +166,7 @@ def _flags(fv: flags.FlagValues) -> None:
 
 
 def main(argv) -> int:
+  """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = cli.validated(fv.config, len(jax.devices()), learners=True)
   run(config, fv.workdir)

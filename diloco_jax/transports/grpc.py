@@ -1,7 +1,7 @@
 """The learner's gRPC client of the syncer: the `Transport` protocol over the wire.
 
-Same interface as `transport.InProcessTransport`, so the learner's background worker does not know which
-one it holds. Calls block; the worker calls them, never the inner loop.
+It implements `protocol.Transport`, like `transports/inprocess.py`, so the learner's background worker
+does not know which one it holds. Calls block; the worker calls them, never the inner loop.
 
 * Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone) a call is retried
   with exponential backoff and jitter, and fails with `SyncerUnreachable` only after `unreachable_deadline_s`
@@ -18,6 +18,7 @@ one it holds. Calls block; the worker calls them, never the inner loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import random
@@ -27,14 +28,15 @@ from typing import Callable, Iterator
 
 import grpc
 
-from diloco_jax import wan as wan_lib
+from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
+from diloco_jax.protocol import Reassembler, Rejected, chunks
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
+from diloco_jax.transports import wan as wan_lib
 
 log = logging.getLogger(__name__)
 
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message: 1 byte compressed flag + 4 bytes length
-REASON_KEY = "diloco-reason"
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -113,6 +115,19 @@ class GrpcTransport:
       self._channel = grpc.insecure_channel(target, options=options)
     self._stub = pb_grpc.SyncerStub(self._channel)
 
+  @classmethod
+  def from_config(cls, config, target: str, token: str, learner_id: int, **tls) -> "GrpcTransport":
+    """A client configured from `config.comms` (retries, chunks, WAN emulation) and `config.syncer`
+    (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
+    c = config.comms
+    wan = None
+    if c.wan_gbps > 0 or c.wan_latency_ms > 0:
+      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms))
+    return cls(target, token, learner_id, wan=wan, chunk_bytes=int(c.chunk_kb) * 1024,
+               max_message_bytes=int(config.syncer.max_message_mb) << 20,
+               unreachable_deadline_s=float(c.unreachable_deadline_s), backoff_s=float(c.backoff_s),
+               max_backoff_s=float(c.max_backoff_s), call_timeout_s=float(c.call_timeout_s), **tls)
+
   # --- byte accounting and WAN pacing -------------------------------------------------------------------
 
   @property
@@ -165,17 +180,16 @@ class GrpcTransport:
         delay = min(delay * 2, self.max_backoff_s)
 
   def _translate(self, name: str, e: grpc.RpcError) -> Exception:
-    from diloco_jax.syncer import core as core_lib
-
     code, details = e.code(), e.details() or ""
     reason = None
     for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-      if key == REASON_KEY:
+      if key == REASON_METADATA_KEY:
         reason = value
     if code == grpc.StatusCode.UNAUTHENTICATED:
       return AuthError(f"{name}: syncer refused the run token: {details}")
-    if reason in core_lib.REASONS:
-      return _rejected(core_lib, reason, details)
+    if reason in REASONS:
+      prefix = f"rejected ({reason}): "
+      return Rejected(reason, details[len(prefix):] if details.startswith(prefix) else details)
     return SyncerError(code, f"{name}: {details}")
 
   # --- the Transport protocol ----------------------------------------------------------------------------
@@ -216,8 +230,6 @@ class GrpcTransport:
 
   def status(self) -> dict:
     """The syncer's status (members, versions, counters; `server`: the service's own counters)."""
-    import json
-
     request = pb.StatusRequest()
 
     def attempt(timeout):
@@ -227,10 +239,8 @@ class GrpcTransport:
 
     return self._call("status", attempt)
 
-  def push(self, push):
-    """Send one outer gradient (a `core.Push`) in chunks; returns the core's `PushReceipt`."""
-    from diloco_jax.syncer import core as core_lib
-
+  def push(self, push: Push) -> PushReceipt:
+    """Send one outer gradient in chunks; returns the syncer's receipt."""
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
                            codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
@@ -239,24 +249,20 @@ class GrpcTransport:
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
                                  metadata=self._metadata)
       response = self._in(response, True)
-      return core_lib.PushReceipt(fragment=response.fragment, round=response.round, late=response.late)
+      return PushReceipt(fragment=response.fragment, round=response.round, late=response.late)
 
     return self._call("push", attempt)
 
   def _push_chunks(self, header, payload: bytes) -> Iterator[pb.PushChunk]:
     yield self._out(pb.PushChunk(header=header), True)
-    view = memoryview(payload)
-    for offset in range(0, len(payload), self.chunk_bytes):
-      yield self._out(pb.PushChunk(data=bytes(view[offset:offset + self.chunk_bytes]), offset=offset), False)
+    for offset, data in chunks(payload, self.chunk_bytes):
+      yield self._out(pb.PushChunk(data=data, offset=offset), False)
 
   def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
-           have_epoch: int = 0):
-    """The global fragment once its version is >= min_version (a `core.Published`), waiting up to
-    `timeout_s` on the syncer (long-poll); None if it did not come in time. `have_version`, `have_epoch`:
-    the version whose reference this learner holds (-1: none) and the syncer epoch it came from
-    (`Published.epoch`); the answer may then be a delta (`Published.kind`)."""
-    from diloco_jax.syncer import core as core_lib
-
+           have_epoch: int = 0) -> Published | None:
+    """The global fragment once its version is >= min_version, waiting up to `timeout_s` on the syncer
+    (long-poll); None if it did not come in time. `have_version`, `have_epoch`: the version whose reference
+    this learner holds (-1: none) and the syncer epoch it came from; the answer may then be a delta."""
     request = pb.PullRequest(learner_id=self.learner_id, fingerprint=self.fingerprint or "",
                              fragment=fragment, min_version=min_version, timeout_s=float(timeout_s))
     if have_version >= 0:  # unset means "nothing usable": a full answer
@@ -274,27 +280,20 @@ class GrpcTransport:
         for _ in stream:  # drain: nothing should follow
           pass
         return None
-      buf = bytearray(h.total_size)
-      view = memoryview(buf)
-      received = 0
-      for msg in stream:
-        self._in(msg, False)
-        n = len(msg.data)
-        if msg.offset != received or received + n > h.total_size:
-          raise SyncerError(grpc.StatusCode.DATA_LOSS, f"pull: chunk at offset {msg.offset} out of sequence")
-        view[received:received + n] = msg.data
-        received += n
-      if received != h.total_size:
-        raise SyncerError(grpc.StatusCode.DATA_LOSS,
-                          f"pull: truncated fragment {h.fragment}: {received} of {h.total_size} bytes")
-      del view
       if h.kind not in ("", "full", "delta"):
         raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
+      payload = Reassembler(h.total_size, f"pulled fragment {h.fragment}")
+      try:
+        for msg in stream:
+          payload.add(self._in(msg, False).offset, msg.data)
+        data = payload.finish()
+      except ProtocolError as e:
+        raise SyncerError(grpc.StatusCode.DATA_LOSS, f"pull: {e}") from None
       if h.kind == "delta":
-        return core_lib.Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=bytes(buf),
-                                  checksum=h.checksum, kind="delta", base_version=h.base_version, epoch=h.epoch)
-      return core_lib.Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=bytes(buf),
-                                checksum=h.checksum, epoch=h.epoch)
+        return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data,
+                         checksum=h.checksum, kind="delta", base_version=h.base_version, epoch=h.epoch)
+      return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data,
+                       checksum=h.checksum, epoch=h.epoch)
 
     return self._call("pull", attempt)
 
@@ -306,9 +305,3 @@ class GrpcTransport:
 
   def __exit__(self, *exc):
     self.close()
-
-
-def _rejected(core_lib, reason: str, details: str) -> Exception:
-  """The core's Rejected with `reason` (the same exception the in-process transport raises)."""
-  prefix = f"rejected ({reason}): "
-  return core_lib.Rejected(reason, details[len(prefix):] if details.startswith(prefix) else details)
