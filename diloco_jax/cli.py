@@ -11,8 +11,6 @@ from typing import Callable
 from absl import flags
 from ml_collections import config_flags
 
-from diloco_jax import config as config_lib
-
 
 class UsageError(SystemExit):
   """A bad flag or config field: printed without a traceback, exit status 2."""
@@ -38,17 +36,19 @@ def enable_compilation_cache() -> None:
 
 
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
-          config_required: bool = True, doc: str = "") -> flags.FlagValues:
+          config_required: bool = True, doc: str = "", with_config: bool = True) -> flags.FlagValues:
   """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0.
+  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. `with_config=False`:
+  a command without a model (the simulator) gets only its own flags, and jax is not imported.
   """
-  enable_compilation_cache()
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
-                                  "--config.<field>=<value> overrides a field.",
-                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  if with_config:
+    enable_compilation_cache()
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+                                    "--config.<field>=<value> overrides a field.",
+                                    flag_values=fv, lock_config=True, sys_argv=argv)
   if define_extra:
     define_extra(fv)
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
@@ -59,14 +59,19 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
     detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
+    if not overrides:
+      raise UsageError(f"bad flag: {' '.join(str(e).split())}") from None
     raise UsageError(f"bad config override among {overrides}: {detail}") from None
-  if config_required and fv.config is None:
+  if with_config and config_required and fv.config is None:
     raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
   return fv
 
 
 def validated(config, num_devices: int | None, *, learners: bool):
   """config_lib.validate with a clean exit instead of a traceback."""
+  # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
+  from diloco_jax import config as config_lib
+
   try:
     config_lib.validate(config, num_devices, learners=learners)
   except config_lib.ConfigError as e:
