@@ -1,7 +1,7 @@
 """WAN bandwidth planner: the link speed each method needs to keep a target compute utilization.
 
 Model (closed form; see docs/simulator.md). Per site and direction, a ring all-reduce of B bytes over n
-sites moves `2 (n-1)/n * B` (DESIGN.md section 5). Compute utilization u = compute time / wall time.
+sites moves `2 (n-1)/n * B`. Compute utilization u = compute time / wall time.
 
 * Data-parallel: the gradients (bf16) are reduced every step, overlapped with the backward pass (the last
   `1 - fwd_fraction` of the step). Wall per step = fwd + max(bwd, comm), so comm <= step/u - fwd.

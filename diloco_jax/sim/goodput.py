@@ -33,7 +33,7 @@ from diloco_jax.syncer import policy as syncer_policy
 YEAR_S = 365.25 * 24 * 3600.0
 STRATEGIES = ("dp", "elastic", "diloco")
 
-# The published grid (DESIGN.md section 6). Reference values, compared against, never used in the model.
+# The published grid (Decoupled DiLoCo, goodput % by chips). Reference values, compared against, never used in the model.
 TABLE_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 TABLE_ROWS = (("dp", 1), ("elastic", 1), ("diloco", 2), ("diloco", 4), ("diloco", 8), ("diloco", 16))
 PUBLISHED = {
