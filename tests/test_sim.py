@@ -272,6 +272,17 @@ def test_every_published_bandwidth_cell_is_compared_in_its_setting_only():
   assert bandwidth.published_cells(four) == [] and "sites=4" in bandwidth.published_mismatch(four)
 
 
+def test_bandwidth_report_follows_sites_and_shows_every_published_cell(capsys):
+  rc, io = _main(["bandwidth", "--noplot"], capsys)
+  assert rc == 0 and "2 sites at 95%" in io.out
+  for (method, u), pub in bandwidth.PUBLISHED_STREAMING.items():
+    line = next(x for x in io.out.splitlines() if bandwidth.LABELS[method] in x and f"published {pub:g}" in x)
+    assert f"at {100 * u:g}%" in line and "difference" in line
+  rc, io = _main(["bandwidth", "--sites", "4", "--noplot"], capsys)
+  assert rc == 0 and "4 sites at 95%" in io.out and "none apply" in io.out and "sites=4" in io.out
+  assert "always 8 datacenters" in io.out  # the published figure keeps its own 8 sites, and says so
+
+
 def test_dp_bandwidth_closed_form():
   cfg = bandwidth.BandwidthConfig(params=1e9, sites=4, step_s=1.0, fwd_fraction=0.0)
   # Ring 2*3/4 of 2 GB = 3 GB = 24 Gbit; at u=0.5 the whole 2 s wall time is the budget.
