@@ -11,8 +11,6 @@ from typing import Callable
 from absl import flags
 from ml_collections import config_flags
 
-from diloco_jax import config as config_lib
-
 
 class UsageError(SystemExit):
   """A bad flag or config field: printed without a traceback, exit status 2."""
@@ -43,7 +41,8 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
   the XLA compilation cache on) unless `config=False` (commands that train nothing).
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0.
+  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
+  command without a model (the simulator) gets only its own flags, and jax is not imported.
   """
   fv = flags.FlagValues()
   if config:
@@ -72,6 +71,9 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
 
 def validated(config, num_devices: int | None, *, learners: bool):
   """config_lib.validate with a clean exit instead of a traceback."""
+  # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
+  from diloco_jax import config as config_lib
+
   try:
     config_lib.validate(config, num_devices, learners=learners)
   except config_lib.ConfigError as e:
