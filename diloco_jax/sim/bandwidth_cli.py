@@ -16,19 +16,17 @@ import dataclasses
 import json
 import os
 
-from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.sim import bandwidth
-from diloco_jax.sim.cli import numbers
+from diloco_jax.sim.cli import definer, numbers
 
 _DEFAULT = bandwidth.BandwidthConfig()
 
 
 def _flags(fv):
   d = _DEFAULT
-  define = lambda kind, name, default, help_: getattr(flags, f"DEFINE_{kind}")(name, default, help_,
-                                                                                  flag_values=fv)
+  define = definer(fv)
   define("float", "params", d.params, "Model parameters.")
   define("float", "bytes-per-param", d.bytes_per_param, "Bytes of a (outer) gradient element before "
          "quantization.")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import sys
 
+from absl import flags
+
 from diloco_jax import cli, subcommands
 
 SIMULATORS = {"goodput": "diloco_jax.sim.goodput_cli", "bandwidth": "diloco_jax.sim.bandwidth_cli"}
@@ -27,6 +29,11 @@ SIMULATORS = {"goodput": "diloco_jax.sim.goodput_cli", "bandwidth": "diloco_jax.
 
 def progress(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
+
+
+def definer(fv: flags.FlagValues):
+  """`define(kind, name, default, help)`: absl's DEFINE_<kind> on `fv` (the simulators define many flags)."""
+  return lambda kind, name, default, help_: getattr(flags, f"DEFINE_{kind}")(name, default, help_, flag_values=fv)
 
 
 def numbers(fv, name: str, kind=float) -> list:

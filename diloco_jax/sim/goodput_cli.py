@@ -27,15 +27,14 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.sim import goodput
-from diloco_jax.sim.cli import numbers, progress
+from diloco_jax.sim.cli import definer, numbers, progress
 
 _DEFAULT = goodput.SimConfig()
 
 
 def _flags(fv):
   d = _DEFAULT
-  define = lambda kind, name, default, help_: getattr(flags, f"DEFINE_{kind}")(name, default, help_,
-                                                                                  flag_values=fv)
+  define = definer(fv)
   define("bool", "table", False, "Simulate the published grid (150k..2.4M chips x DP, elastic DP, M=2,4,8,16); "
          "--chips, --strategy and --learners, when given, select part of it.")
   define("list", "chips", [str(d.chips)], "Total chips (comma list to sweep).")
