@@ -1,4 +1,5 @@
-"""`python -m diloco_jax sim {goodput,bandwidth}`: the scale simulator and the bandwidth planner.
+"""`python -m diloco_jax sim {goodput,bandwidth,sizing}`: the scale simulator, the bandwidth planner and
+the machine sizing of a run (`sim/sizing.py`).
 
 Examples:
   python -m diloco_jax sim goodput --table                 # the published grid, beside the paper
@@ -276,6 +277,9 @@ def _run_bandwidth(args) -> int:
 def main(argv=None) -> int:
   """Entry point: argv[0] is the program name, argv[1:] the arguments. Returns an exit code."""
   argv = list(sys.argv if argv is None else argv)
+  if argv[1:2] == ["sizing"]:  # absl flags with --config: its own module
+    from diloco_jax.sim import sizing
+    return sizing.main([f"{argv[0]} sizing"] + argv[2:])
   parser = _build_parser(argv[0] if argv else "python -m diloco_jax sim")
   args = parser.parse_args(argv[1:])
   try:
