@@ -562,6 +562,7 @@ def _real_gcloud() -> str | None:
   return shutil.which("gcloud")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_real_gcloud() is None, reason="the Google Cloud SDK is not installed here")
 def test_every_recorded_command_parses_with_the_real_gcloud(cloud, tmp_path):
   """Each distinct command shape the scripts run (create, start, status, stop --delete, heal), given to the

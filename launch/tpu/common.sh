@@ -3,6 +3,10 @@
 # environment (launch/tpu/README.md describes them). Each script accepts --dry-run: it then prints every
 # gcloud command it would run (queries included, answered with placeholders) and runs none.
 set -euo pipefail
+if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 4))); then
+  echo "error: these scripts need bash >= 4.4 (this is $BASH_VERSION; on macOS: brew install bash)" >&2
+  exit 1
+fi
 
 TPU_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$TPU_DIR/../.." && pwd)
@@ -30,9 +34,11 @@ STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-900}        # a learner flushes, checkpoints an
 COORDINATOR_PORT=${COORDINATOR_PORT:-8476}   # jax.distributed coordinator on worker 0 of a multi-host slice
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
 UV_VERSION=${UV_VERSION:-0.13.9}
+SERVICE_ACCOUNT=${SERVICE_ACCOUNT:-}         # of the VMs; empty: the project's default compute service account
 GCLOUD_SSH_FLAGS=${GCLOUD_SSH_FLAGS:-}       # e.g. "--internal-ip" when this machine is inside the VPC
 LOG_ROOT=${LOG_ROOT:-$REPO/runs/tpu}         # here: LOG_ROOT/RUN/<script>-<time>/ logs, LOG_ROOT/RUN/ saved models
 
+SCOPES=https://www.googleapis.com/auth/cloud-platform  # what the VMs' service account may do (gs:// access)
 SYNCER_VM="$RUN-syncer"
 FIREWALL_RULE="$RUN-syncer-grpc"
 # shellcheck disable=SC2088  # the remote shell expands it
@@ -57,6 +63,9 @@ quoted() {
 }
 
 project_flag() { [[ -z $PROJECT ]] || echo "--project=$PROJECT"; }
+
+# --service-account=... when SERVICE_ACCOUNT is set, for the commands that create VMs.
+service_account_flag() { [[ -z $SERVICE_ACCOUNT ]] || echo "--service-account=$SERVICE_ACCOUNT"; }
 
 # gc ARGS...: run one gcloud command (with --dry-run: print it).
 gc() {

@@ -75,6 +75,7 @@ create_firewall_rule() {
     --allow="tcp:$PORT" --source-ranges="$INTERNAL_RANGES" --target-tags="$SYNCER_VM"
 }
 
+# shellcheck disable=SC2046  # $(service_account_flag): no word or one
 create_syncer_vm() {
   local status
   status=$(syncer_status)
@@ -82,7 +83,7 @@ create_syncer_vm() {
     "")
       gc compute instances create "$SYNCER_VM" --zone="$SYNCER_ZONE" --machine-type="$SYNCER_MACHINE" \
         --network="$NETWORK" --image-family=ubuntu-2204-lts --image-project=ubuntu-os-cloud \
-        --boot-disk-size="${SYNCER_DISK_GB}GB" --tags="$SYNCER_VM" --scopes=cloud-platform
+        --boot-disk-size="${SYNCER_DISK_GB}GB" --tags="$SYNCER_VM" --scopes="$SCOPES" $(service_account_flag)
       NEW+=(syncer)
       ;;
     RUNNING) note "syncer VM $SYNCER_VM exists" ;;
@@ -91,6 +92,7 @@ create_syncer_vm() {
   esac
 }
 
+# shellcheck disable=SC2046
 request_slice() {
   local i=$1 capacity=()
   case ${L_CAPACITY[i]} in
@@ -99,7 +101,7 @@ request_slice() {
   esac
   gc compute tpus queued-resources create "${L_NODE[i]}" --node-id="${L_NODE[i]}" --zone="${L_ZONE[i]}" \
     --accelerator-type="${L_ACCEL[i]}" --runtime-version="$(preset_runtime_version "${L_ACCEL[i]}")" \
-    --network="$NETWORK" --scopes=cloud-platform "${capacity[@]}"
+    --network="$NETWORK" --scopes="$SCOPES" $(service_account_flag) "${capacity[@]}"
   NEW+=("$i")
 }
 

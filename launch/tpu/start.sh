@@ -83,7 +83,7 @@ start_learner() {
   [[ $(qr_state "$i") == ACTIVE ]] || ((DRY_RUN)) ||
     die "slice ${L_NODE[i]} is not ACTIVE: run create.sh (or heal.sh) first"
   ips=$(worker_ips "$i")
-  hosts=$(wc -l <<< "$ips")
+  hosts=$(grep -c . <<< "$ips")
   ((hosts == 1)) || coordinator="$(head -n 1 <<< "$ips"):$COORDINATOR_PORT"
   copy_to_tpu token "${L_NODE[i]}" "${L_ZONE[i]}" "diloco/$RUN/token" "$TOKEN_FILE"
   if [[ -n $TLS_DIR ]]; then
