@@ -38,7 +38,7 @@ size_syncer() {
   (cd "$REPO" && "$py" -m diloco_jax sim sizing "${CONFIG_FLAGS[@]}" --learners "${#L_ACCEL[@]}" --json) \
     > "$json" 2> "$LOG_DIR/sizing.err" || {
     tail -n 5 "$LOG_DIR/sizing.err" >&2
-    die "cannot size the syncer with $py -m diloco_jax sim sizing (run \`make .venv/.installed\` here first)"
+    die "\`$py -m diloco_jax sim sizing\` failed (above): fix the config, or make the environment here (make .venv/.installed)"
   }
   summary=$("$py" - "$json" << 'EOF'
 import json, sys
