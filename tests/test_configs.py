@@ -5,19 +5,20 @@ The big configs (m150, b1, b12) are only ever built abstractly here: shapes, nev
 
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
 import jax
 import pytest
 
+import helpers
+
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import model as model_lib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = helpers.REPO
 CONFIG_FILES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
 # Nominal sizes of the big configs, in parameters; the abstract count must be within 20%.
 NOMINAL_PARAMS = {"m150": 150e6, "b1": 1e9, "b12": 12e9}
