@@ -26,3 +26,11 @@ def tiny_config():
   from configs import tiny_cpu
 
   return tiny_cpu.get_config()
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory):
+  """A tokenizer and ArrayRecord shards of a few hundred KB of stdlib sources (helpers.make_token_data)."""
+  import helpers
+
+  return helpers.make_token_data(tmp_path_factory.mktemp("token_data"))
