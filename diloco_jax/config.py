@@ -120,6 +120,20 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def use_token_shards(c: ml_collections.ConfigDict, directory: str, vocab_size: int) -> None:
+  """Point config `c` at tokenized data prepared in `directory` (local or gs://) by the two commands
+
+    python -m diloco_jax tokenizer --data TEXT --vocab VOCAB --out DIRECTORY/tokenizer.model
+    python -m diloco_jax tokenize --tokenizer DIRECTORY/tokenizer.model --data TEXT --out DIRECTORY/tokens
+
+  (the tokenizer has `vocab_size` pieces, which the model's vocabulary must match)."""
+  c.data.format = "array_record"
+  c.data.tokenizer = f"{directory}/tokenizer.model"
+  c.data.train_files = f"{directory}/tokens/train-*.array_record"
+  c.data.eval_files = f"{directory}/tokens/eval-*.array_record"
+  c.model.vocab_size = vocab_size
+
+
 def _fail(field: str, message: str):
   raise ConfigError(f"config.{field}: {message}")
 
