@@ -33,6 +33,7 @@ from diloco_jax import export as export_lib
 from diloco_jax import inner
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import tokenizer as tokenizer_lib
+from diloco_jax.config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,10 @@ def main(argv) -> int:
     except (FileNotFoundError, ValueError) as e:
       raise cli.UsageError(f"--model: {e}") from None
     seq_len = model.config.data.seq_len
-    windows = text_windows(model.tokenizer, texts, seq_len) if texts is not None else config_windows(model.config)
+    try:
+      windows = text_windows(model.tokenizer, texts, seq_len) if texts is not None else config_windows(model.config)
+    except ConfigError as e:  # the run's eval data is not on this machine
+      raise cli.UsageError(f"{model_dir}: its eval set cannot be read ({e}); pass --data") from None
     if not windows:
       raise cli.UsageError(f"--data: {fv.data!r} holds fewer than 2 tokens")
     result = evaluate(model, windows, fv["batch-size"].value)

@@ -29,7 +29,6 @@ from typing import Any, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import flags
 from etils import epath
@@ -53,6 +52,10 @@ def export(out: str | pathlib.Path, config, params: Any, *, source: str, **meta)
   """Writes `params` (device or host arrays, the model's nested dict) with `config` and its tokenizer to
   `out` (local or gs://, replacing an earlier export there); `meta` (JSON values) goes into model.json.
   Returns the directory."""
+  tok = tokenizer_lib.for_data(config.data)
+  if tok.vocab_size != config.model.vocab_size:
+    raise config_lib.ConfigError(f"config.model.vocab_size: {config.model.vocab_size} differs from the "
+                                 f"{tok.vocab_size} pieces of the tokenizer {tok.reference}")
   out = epath.Path(out)
   if not out.is_absolute() and "://" not in str(out):
     out = epath.Path(pathlib.Path(str(out)).absolute())
@@ -65,7 +68,6 @@ def export(out: str | pathlib.Path, config, params: Any, *, source: str, **meta)
   finally:
     checkpointer.close()
   (out / CONFIG_FILE).write_text(config.to_json(indent=2, sort_keys=True) + "\n")
-  tok = tokenizer_lib.for_data(config.data)
   if tok.reference is not None:
     (out / TOKENIZER_FILE).write_bytes(tok.model_proto)
   info = {"format": FORMAT, "source": source, "params": model_lib.count_params(params),
@@ -184,8 +186,11 @@ def main(argv) -> int:
   if found is None:
     raise cli.UsageError(f"--syncer-workdir: no syncer checkpoint in {fv['syncer-workdir'].value!r}")
   params, info = found
-  out = export(fv.out, config, params, source="syncer checkpoint", run_id=run_id,
-               syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"])
+  try:
+    out = export(fv.out, config, params, source="syncer checkpoint", run_id=run_id,
+                 syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"])
+  except config_lib.ConfigError as e:  # the tokenizer the config names is missing or does not match
+    raise cli.UsageError(str(e)) from None
   print(f"export: global model of checkpoint step {info['step']} ({info['rounds']} rounds, versions "
         f"{info['versions']}) -> {out}", file=sys.stderr)
   return 0
