@@ -8,6 +8,11 @@ Commands:
   local     A syncer and N learner processes on this machine.
   sim       Scale simulator and bandwidth planner (goodput, bandwidth).
   bench     Benchmarks that print figures (step, quality, overhead, transport, wan).
+  tokenizer Train a SentencePiece tokenizer on text.
+  tokenize  Pre-tokenize text into ArrayRecord shards (data.format="array_record").
+  export    Export the global model of a syncer's checkpoint (params, config, tokenizer).
+  eval      Loss of exported models (nats per token, bits per byte) on the eval set or any text.
+  sample    Generate text from an exported model.
 
 Each command's module exposes `main(argv)`; `python -m diloco_jax <command> --help` lists its flags.
 """
@@ -24,6 +29,11 @@ COMMANDS = {
     "local": "diloco_jax.launch_local",
     "sim": "diloco_jax.sim.cli",
     "bench": "diloco_jax.bench.cli",
+    "tokenizer": "diloco_jax.tokenizer",
+    "tokenize": "diloco_jax.shards",
+    "export": "diloco_jax.export",
+    "eval": "diloco_jax.evaluate",
+    "sample": "diloco_jax.sample",
 }
 
 

@@ -10,12 +10,14 @@ step, with n the number of data-parallel workers (the mesh's data x fsdp ways).
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import jax
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import trainer as trainer_lib
@@ -26,8 +28,9 @@ def ring_allreduce_bytes(num_params: int, workers: int, bytes_per_param: int = 4
   return 2.0 * (workers - 1) / workers * num_params * bytes_per_param
 
 
-def run(config, workdir: str, *, quiet: bool = False) -> dict:
-  """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json)."""
+def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
+  """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json). With
+  `export`, the final parameters go to `<workdir>/model`, as a Decoupled DiLoCo run's global model does."""
   devices = jax.devices()[: config.mesh.num_devices or None]
   t0 = time.perf_counter()
   trainer = trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch)
@@ -67,21 +70,27 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "comm_bytes": per_step_bytes * trainer.step, "comm_bytes_per_step": per_step_bytes,
       "flops_per_token": flops, "initial_eval_loss": initial_eval_loss,
   }
+  if export:
+    summary["model"] = str(export_lib.export(
+        pathlib.Path(workdir) / "model", config, trainer.state.params, source="baseline", steps=trainer.step,
+        tokens=trainer.tokens, final_eval_loss=eval_loss))
   metrics_lib.write_summary(workdir, summary)
   log.close()
   if not quiet:
     print(f"baseline done: eval loss {eval_loss:.4f}, {trainer.tokens:,} tokens in {wall:.1f}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json")
+          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json"
+          + (f", model in {summary['model']}" if export else ""))
   return summary
 
 
 def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).", flag_values=fv,
                       required=True)
+  flags.DEFINE_bool("export", True, "export the final model to WORKDIR/model", flag_values=fv)
 
 
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = cli.validated(fv.config, len(jax.devices()), learners=False)
-  run(config, fv.workdir)
+  run(config, fv.workdir, export=fv.export)
   return 0

@@ -69,13 +69,17 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
   return fv
 
 
-def validated(config, num_devices: int | None, *, learners: bool):
-  """config_lib.validate with a clean exit instead of a traceback."""
+def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
+  """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
+  the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
   # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
   from diloco_jax import config as config_lib
+  from diloco_jax import data as data_lib
 
   try:
     config_lib.validate(config, num_devices, learners=learners)
+    if data:
+      data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
   return config

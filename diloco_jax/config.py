@@ -40,7 +40,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = False
 
   c.data = ml_collections.ConfigDict()
-  c.data.path = ""  # "" = the embedded corpus (this interpreter's standard library sources)
+  c.data.format = "bytes"  # "bytes": byte-level text read at start; "array_record": pre-tokenized shards
+  c.data.path = ""  # bytes: "" = the embedded corpus (this interpreter's standard library sources)
+  c.data.tokenizer = ""  # array_record: the SentencePiece model (`python -m diloco_jax tokenizer`)
+  c.data.train_files = ""  # array_record: glob pattern(s) of train shards (`python -m diloco_jax tokenize`)
+  c.data.eval_files = ""  # array_record: glob pattern(s) of eval shards
   c.data.seq_len = 128
   c.data.global_batch = 16  # sequences per step over the whole run (all learners together)
   c.data.eval_fraction = 0.05  # of files, held out for eval (file-level split)
@@ -116,6 +120,20 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def use_token_shards(c: ml_collections.ConfigDict, directory: str, vocab_size: int) -> None:
+  """Point config `c` at tokenized data prepared in `directory` (local or gs://) by the two commands
+
+    python -m diloco_jax tokenizer --data TEXT --vocab VOCAB --out DIRECTORY/tokenizer.model
+    python -m diloco_jax tokenize --tokenizer DIRECTORY/tokenizer.model --data TEXT --out DIRECTORY/tokens
+
+  (the tokenizer has `vocab_size` pieces, which the model's vocabulary must match)."""
+  c.data.format = "array_record"
+  c.data.tokenizer = f"{directory}/tokenizer.model"
+  c.data.train_files = f"{directory}/tokens/train-*.array_record"
+  c.data.eval_files = f"{directory}/tokens/eval-*.array_record"
+  c.model.vocab_size = vocab_size
+
+
 def _fail(field: str, message: str):
   raise ConfigError(f"config.{field}: {message}")
 
@@ -133,6 +151,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   if m.dtype not in ("float32", "bfloat16"):
     _fail("model.dtype", f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
   d = c.data
+  if d.format not in ("bytes", "array_record"):
+    _fail("data.format", f"must be 'bytes' or 'array_record', got {d.format!r}")
+  if d.format == "bytes" and m.vocab_size != 256:
+    _fail("model.vocab_size", f"must be 256 with data.format='bytes' (a token is a byte), got {m.vocab_size}")
+  if d.format == "array_record":
+    for f in ("tokenizer", "train_files", "eval_files"):
+      if not d[f]:
+        _fail(f"data.{f}", "is required with data.format='array_record'")
   if d.seq_len < 2:
     _fail("data.seq_len", f"must be >= 2, got {d.seq_len}")
   if d.seq_len > m.max_seq_len:

@@ -68,10 +68,15 @@ def init_state(config, mesh):
   return graphdef, state, state_shardings
 
 
+def token_losses(graphdef, params, tokens):
+  """Next-token cross-entropy (nats) of every target: tokens [batch, seq + 1] -> [batch, seq]."""
+  logits = model_lib.apply(graphdef, params, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
 def loss_fn(graphdef, params, tokens):
   """Mean next-token cross-entropy; tokens [batch, seq + 1]."""
-  logits = model_lib.apply(graphdef, params, tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return token_losses(graphdef, params, tokens).mean()
 
 
 def make_inner_step(graphdef, train_cfg, mesh, state_shardings):

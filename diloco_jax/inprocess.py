@@ -4,7 +4,8 @@ concurrently (one thread each) against the syncer core through the in-process tr
   python -m diloco_jax train --config configs/small_cpu.py --workdir runs/diloco
 
 The same learners talk to a separate syncer process over gRPC with `python -m diloco_jax learner` (see
-`local`). Summary: `<workdir>/summary.json`; per-learner metrics: `<workdir>/learner_<i>/metrics.jsonl`.
+`local`). Summary: `<workdir>/summary.json`; per-learner metrics: `<workdir>/learner_<i>/metrics.jsonl`; the
+global model at the end: `<workdir>/model` (`export.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import export as export_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
@@ -67,10 +69,14 @@ class InProcessRun:
     ]
     self.plan = self.learners[0].plan
 
-  def evaluate_global(self) -> float:
-    """Eval loss of the syncer's global model, on the first learner's mesh."""
+  def global_params(self):
+    """The syncer's global model as host arrays."""
+    return build.global_params(self.core, self.plan, jax.tree.map(np.asarray, self.learners[0].trainer.state.params))
+
+  def evaluate_global(self, params=None) -> float:
+    """Eval loss of the syncer's global model (or of `params`, host arrays), on the first learner's mesh."""
     trainer = self.learners[0].trainer
-    params = build.global_params(self.core, self.plan, jax.tree.map(np.asarray, trainer.state.params))
+    params = self.global_params() if params is None else params
     return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
 
   def close(self) -> None:
@@ -85,8 +91,9 @@ class InProcessRun:
       self._syncer_ckpt.close()
 
 
-def run(config, workdir: str, *, quiet: bool = False) -> dict:
-  """Train M learners with the syncer core in this process; returns the summary (also summary.json)."""
+def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
+  """Train M learners with the syncer core in this process; returns the summary (also summary.json). With
+  `export`, the global model goes to `<workdir>/model` (`python -m diloco_jax eval/sample --model`)."""
   t0 = time.perf_counter()
   num = config.learners.num
   job = InProcessRun(config, workdir)
@@ -132,7 +139,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
     raise errors[0]
 
   # The product of the run is the syncer's global model.
-  final_eval = job.evaluate_global()
+  global_params = job.global_params()
+  final_eval = job.evaluate_global(global_params)
   status = job.core.status()
   counters = status["counters"]
   wall = time.perf_counter() - t0
@@ -151,23 +159,30 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "blocked_s": {r["learner"]: r["blocked_s"] for r in results},
       "versions": status["versions"],
   }
+  if export:
+    summary["model"] = str(export_lib.export(
+        pathlib.Path(workdir) / "model", config, global_params, source="train", run_id=RUN_ID,
+        steps=config.train.steps, tokens=tokens, tokens_merged=summary["tokens_merged"],
+        final_eval_loss=final_eval, versions=status["versions"]))
   metrics_lib.write_summary(workdir, summary)
   if not quiet:
     print(f"train done: global eval loss {final_eval:.4f}"
           + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
           + f", {tokens:,} tokens in {wall:.1f}s, {counters['rounds']} outer rounds, "
-          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json")
+          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
+          + (f", model in {summary['model']}" if export else ""))
   return summary
 
 
 def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).",
                       flag_values=fv, required=True)
+  flags.DEFINE_bool("export", True, "export the global model to WORKDIR/model at the end", flag_values=fv)
 
 
 def main(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = cli.validated(fv.config, len(jax.devices()), learners=True)
-  run(config, fv.workdir)
+  run(config, fv.workdir, export=fv.export)
   return 0

@@ -12,7 +12,8 @@ process over gRPC on loopback, exactly as on separate hosts. The launcher:
 3. starts learner i in `WORKDIR/learner_<i>`; every child logs to `WORKDIR/logs/<name>.log`;
 4. shows overall progress (steps read from each learner's `metrics.jsonl`) and waits for the learners;
 5. asks the syncer for its status, stops it with SIGTERM (it writes a final checkpoint), evaluates the
-   global model from that checkpoint (`--eval`), and writes `WORKDIR/summary.json`.
+   global model from that checkpoint (`--eval`), exports it to `WORKDIR/model` (`--export`; see
+   `python -m diloco_jax eval/sample --model`), and writes `WORKDIR/summary.json`.
 
 Rerunning on the same workdir resumes: the syncer from its checkpoint, each learner from its own.
 Ctrl-C (or SIGTERM) stops everything cleanly: learners first (they flush and checkpoint), then the syncer;
@@ -37,16 +38,14 @@ import time
 
 # jax only serves the final eval, on devices this launcher sets up in `main` before the backend starts.
 import jax
-import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import outer as outer_lib
 from diloco_jax import protocol
 from diloco_jax import trainer as trainer_lib
-from diloco_jax.syncer import build
-from diloco_jax.syncer import checkpoint as syncer_checkpoint
 from diloco_jax.transports.grpc import GrpcTransport
 
 EXIT_FAILED = 1
@@ -62,6 +61,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv)
   flags.DEFINE_bool("eval", True, "evaluate the syncer's final global model (loads its checkpoint)",
                     flag_values=fv)
+  flags.DEFINE_bool("export", True, "with --eval, export that model to WORKDIR/model", flag_values=fv)
   flags.DEFINE_float("stop-timeout-s", 60.0, "grace for a child after SIGTERM before SIGKILL",
                      flag_values=fv)
   flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
@@ -181,22 +181,23 @@ def write_token(path: pathlib.Path) -> None:
     f.write(secrets.token_hex(32) + "\n")
 
 
-def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str) -> float | None:
-  """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices."""
-  core, _ = build.build_core(config, run_id)
-  ckpt = syncer_checkpoint.SyncerCheckpointer(syncer_dir / "syncer_checkpoints", keep=1 << 20,
-                                              async_save=False)
-  try:
-    if syncer_checkpoint.restore_core(ckpt, core) is None:
-      return None
-  finally:
-    ckpt.close()
+def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str, export_dir: pathlib.Path | None = None
+                    ) -> float | None:
+  """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices; with
+  `export_dir`, that model is exported there too (`export.py`). None when the syncer left no checkpoint."""
+  found = export_lib.syncer_params(config, syncer_dir, run_id)
+  if found is None:
+    return None
+  params, info = found
   devices = jax.devices()[:config.learners.devices]
   trainer = trainer_lib.MeshTrainer(config, devices, None,
                                     batch_size=config.data.global_batch // config.learners.num)
-  plan = build.fragment_plan(config, trainer.state.params)
-  params = build.global_params(core, plan, jax.tree.map(np.asarray, trainer.state.params))
-  return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
+  loss = trainer.evaluate(jax.device_put(params, trainer.shardings.params))
+  if export_dir is not None:
+    export_lib.export(export_dir, config, params, source="local", run_id=run_id,
+                      syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"],
+                      final_eval_loss=loss)
+  return loss
 
 
 class Launcher:
@@ -382,11 +383,15 @@ def main(argv) -> int:
                            config.outer.num_fragments)
   summary["exit_codes"] = codes
   if fv.eval:
-    summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id)
+    export_dir = workdir / "model" if fv.export else None
+    summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id, export_dir)
+    if export_dir is not None and summary["final_eval_loss"] is not None:
+      summary["model"] = str(export_dir)
   metrics_lib.write_summary(workdir, summary)
   loss = summary.get("final_eval_loss")
   print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, versions {summary.get('versions')}, "
         + (f"global eval loss {loss:.4f}, " if loss is not None else "")
-        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json",
+        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
+        + (f", model in {summary['model']}" if "model" in summary else ""),
         file=sys.stderr)
   return 0

@@ -21,3 +21,11 @@ cli.enable_compilation_cache()
 def tiny_config():
   """The tiny_cpu config, unlocked so a test can change fields."""
   return tiny_cpu.get_config()
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory):
+  """A tokenizer and ArrayRecord shards of a few hundred KB of stdlib sources (helpers.make_token_data)."""
+  import helpers
+
+  return helpers.make_token_data(tmp_path_factory.mktemp("token_data"))

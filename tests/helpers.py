@@ -6,11 +6,13 @@ before anything here imports jax.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from typing import Sequence
 
@@ -19,6 +21,8 @@ import pytest
 
 from diloco_jax import codec as codec_lib
 from diloco_jax import launch_local
+from diloco_jax import shards
+from diloco_jax import tokenizer
 from diloco_jax.protocol import Push
 from diloco_jax.syncer.core import SyncerCore, SyncerSettings
 from diloco_jax.syncer.policy import QuorumPolicy
@@ -174,3 +178,54 @@ class ProcessRun:
       if proc.poll() is None:
         proc.kill()
       proc.wait()
+
+
+# ---- tokenized data --------------------------------------------------------------------------------------
+
+TOKEN_VOCAB = 1000  # small enough to train in a few seconds, large enough for real merges
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """A small tokenized corpus made by the real commands' functions: `corpus/` (stdlib sources), a
+  SentencePiece model and ArrayRecord shards (small records, so windows span records)."""
+
+  corpus: pathlib.Path
+  tokenizer: pathlib.Path
+  shards: pathlib.Path
+  meta: dict
+
+  def overrides(self) -> dict:
+    """Config fields that read this corpus."""
+    return {"data.format": "array_record", "data.tokenizer": str(self.tokenizer),
+            "data.train_files": f"{self.shards}/train-*.array_record",
+            "data.eval_files": f"{self.shards}/eval-*.array_record", "model.vocab_size": TOKEN_VOCAB}
+
+  def apply(self, config):
+    """`config` reading this corpus (changed in place and returned)."""
+    for field, value in self.overrides().items():
+      section, name = field.split(".")
+      config[section][name] = value
+    return config
+
+
+def make_token_data(root: pathlib.Path, max_bytes: int = 300_000, num_shards: int = 4,
+                    chunk_tokens: int = 100) -> TokenData:
+  """Writes the first `max_bytes` of the standard library's top-level modules to `root/corpus` (one file
+  each), trains a tokenizer on them and tokenizes them into `num_shards` train shards."""
+  corpus = root / "corpus"
+  corpus.mkdir(parents=True)
+  stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  total = 0
+  for path in sorted(stdlib.glob("*.py")):
+    text = path.read_bytes()
+    if total + len(text) > max_bytes:
+      continue
+    (corpus / path.name).write_bytes(text)
+    total += len(text)
+  model = tokenizer.train_sentencepiece((t for _, t in tokenizer.read_documents(str(corpus))), TOKEN_VOCAB)
+  tok_path = root / "tok.model"
+  tok_path.write_bytes(model)
+  meta = shards.write_shards(tokenizer.load(str(tok_path)), str(corpus), str(root / "tokens"),
+                             num_shards=num_shards, chunk_tokens=chunk_tokens)
+  return TokenData(corpus=corpus, tokenizer=tok_path, shards=root / "tokens", meta=meta)

@@ -102,7 +102,7 @@ def main(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  config = cli.validated(fv.config, None, learners=True)
+  config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
   tls = _tls_from_flags(fv)
   try:
     token = protocol.read_token(fv["token-file"].value)

@@ -6,8 +6,9 @@ without importing the gRPC service, and apart from `syncer/core.py`, which knows
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
@@ -31,9 +32,30 @@ def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
   return SyncerCore(SyncerSettings.from_config(config, plan, fingerprint), initial), fingerprint
 
 
+def params_from_fragments(plan: fragments.FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
+  """Fragment vectors (one per fragment of `plan`) as a nested dict of host arrays shaped like `template`
+  (arrays or abstract shapes: every leaf is replaced)."""
+  if len(vectors) != plan.num_fragments:
+    raise ValueError(f"{len(vectors)} fragment vectors for a plan of {plan.num_fragments} fragments")
+  leaves = {}
+  for p, vec in enumerate(vectors):
+    leaves.update(fragments.scatter(plan, p, np.asarray(vec, np.float32).reshape(-1)))
+  return fragments.replace_leaves(template, leaves)
+
+
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
   """The syncer's global model as a nested dict of host arrays shaped like `template`."""
-  leaves = {}
-  for p, vec in enumerate(core.global_fragments()):
-    leaves.update(fragments.scatter(plan, p, vec))
-  return fragments.replace_leaves(template, leaves)
+  return params_from_fragments(plan, core.global_fragments(), template)
+
+
+def global_params_from_state(config, state: dict, run_id: str, template: Any) -> Any:
+  """The global model held in a syncer state dict (`SyncerCore.state_dict()`, as a syncer checkpoint
+  restores it) of the run `config` + `run_id`, shaped like `template` (abstract shapes suffice: no core and
+  no initial parameters are built, so exporting a big model costs only its fragments in host memory).
+
+  Raises ValueError when the state belongs to another run (its fingerprint differs)."""
+  fingerprint = config_lib.fingerprint(config, run_id)
+  if state["fingerprint"] != fingerprint:
+    raise ValueError(f"the syncer checkpoint is of another run (fingerprint {state['fingerprint']!r}, this config "
+                     f"and run id {run_id!r} give {fingerprint!r}): pass the run's config overrides and run id")
+  return params_from_fragments(fragment_plan(config, template), state["fragments"], template)
