@@ -114,6 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
   c.syncer.rate_limit_burst = 200.0
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.merge_threads = 0  # threads of a round's merge, outer step and downlink encode; 0 = the cores, <= 8
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
   c.syncer.keep_checkpoints = 3
   c.syncer.shutdown_grace_s = 2.0  # in-flight calls get this long after SIGTERM/SIGINT
@@ -185,6 +186,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail(f"mesh.{k}", f"must be >= 1 or -1 (fill), got {v}")
   if m.num_kv_heads % max(c.mesh.tensor, 1):
     _fail("mesh.tensor", f"({c.mesh.tensor}) must divide model.num_kv_heads ({m.num_kv_heads})")
+  if c.syncer.merge_threads < 0:
+    _fail("syncer.merge_threads", f"must be >= 0 (0: this host's cores, at most 8), got {c.syncer.merge_threads}")
   o = c.outer
   if learners:
     if c.learners.num < 1:

@@ -26,6 +26,9 @@ import jax
 import numpy as np
 import optax
 
+from diloco_jax import chunked
+from diloco_jax import codec
+
 MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
 
 
@@ -107,6 +110,98 @@ def merge(deltas: Sequence[np.ndarray], weights: Sequence[float], rda: bool = Fa
   return direction * np.float32(radial / dnorm)
 
 
+def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence[bytes | codec.Encoded],
+                weights: Sequence[float], *, codec_name: str, block: int, lr: float, mu: float,
+                rda: bool = False, norms: Sequence[float] | None = None, scale: float = 1.0,
+                threads: int = 1) -> None:
+  """One round's merge and outer step, in place and in one chunked pass (no fragment-sized temporary):
+
+      g = scale * merge([decode(p) for p in payloads], weights, rda)
+      global_vec, momentum <- the Nesterov step of `make_outer_optimizer(lr, mu)` with gradient g
+
+  the same as `merge` + `outer_step` on the decoded vectors up to float32 rounding (the weights are folded
+  into the per-block scales; the step itself is `nesterov_step_`). Each chunk of the fragment is decoded,
+  weighted and summed over the contributions in the cache, then stepped; with `threads` > 1 the chunks are
+  shared among that many threads, with results that do not depend on the thread count.
+
+  `weights`: one per payload, >= 0 with a positive sum (normalized here). `rda`: radial-directional
+  averaging; `norms`: then the contributions' L2 norms (`codec.sum_squares` ** 0.5), and the merged norm
+  takes a first pass over the payloads. `global_vec`, `momentum`: writable float32 vectors of the
+  fragment's size.
+  """
+  n = global_vec.size
+  for name, arr in (("global_vec", global_vec), ("momentum", momentum)):
+    if arr.dtype != np.float32 or arr.shape != (n,) or not arr.flags.writeable:
+      raise ValueError(f"{name} must be a writable float32 vector of {n} elements")
+  encs = [p if isinstance(p, codec.Encoded) else codec.parse(p, codec_name, n, block) for p in payloads]
+  if any(e.size != n for e in encs):
+    raise ValueError(f"payloads must encode {n} elements")
+  if len(encs) == 0 or len(encs) != len(weights):
+    raise ValueError(f"need one weight per payload, got {len(encs)} payloads and {len(weights)} weights")
+  w = np.asarray(weights, np.float64)
+  if (w < 0).any() or w.sum() <= 0:
+    raise ValueError(f"weights must be >= 0 with a positive sum, got {w}")
+  w = w / w.sum()
+  step = codec.chunk_elems(block)
+  work = codec.scratch_elems(block)
+  lr32, mu32, scale32 = np.float32(lr), np.float32(mu), np.float32(scale)
+
+  def direction(a, b, buf):
+    """The chunk [a, b) of sum_i coeffs_i * decode(payload_i), in buf[work:]."""
+    g = buf[work:work + b - a]
+    written = False
+    for enc, c in zip(encs, coeffs):
+      if c != 0:
+        codec.decode_range(enc, a, b, g, buf[:work], weight=c, accumulate=written)
+        written = True
+    if not written:
+      g[:] = 0
+    return g
+
+  if not rda:
+    coeffs, factor = w, scale32
+  else:
+    if norms is None or len(norms) != len(encs):
+      raise ValueError("rda needs one norm per payload")
+    norms = np.asarray(norms, np.float64)
+    radial = float((w * norms).sum())
+    coeffs = np.where(norms > 0, w / np.where(norms > 0, norms, 1.0), 0.0)  # unit(0) = 0
+    # The direction's norm needs the whole vector before any step: a first pass, reading only payloads.
+    def squares(a, b, buf):
+      v = direction(a, b, buf).astype(np.float64)
+      return float(v @ v)
+
+    sq = chunked.run(squares, n, step, threads, work + step)
+    dnorm = float(np.sqrt(sum(sq)))
+    factor = np.float32(radial / dnorm) * scale32 if dnorm > 0 else np.float32(0)
+
+  def kernel(a, b, buf):
+    g = direction(a, b, buf)
+    if factor != 1:
+      g *= factor
+    nesterov_step_(global_vec[a:b], momentum[a:b], g, lr32, mu32, out=buf[:b - a])
+
+  chunked.run(kernel, n, step, threads, work + step)
+
+
+def nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
+                   out: np.ndarray | None = None) -> None:
+  """The Nesterov SGD step of `make_outer_optimizer(lr, mu)` in place, in float32:
+
+      momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
+
+  the operations optax's `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same
+  order. `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
+  mu, lr = np.float32(mu), np.float32(lr)
+  tmp = np.empty_like(grad) if out is None else out
+  np.multiply(momentum, mu, out=momentum)
+  np.add(momentum, grad, out=momentum)
+  np.multiply(momentum, mu, out=tmp)
+  np.add(tmp, grad, out=tmp)
+  np.multiply(tmp, lr, out=tmp)
+  np.subtract(global_vec, tmp, out=global_vec)
+
+
 def make_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
   """The DiLoCo outer optimizer: SGD with Nesterov momentum (m = mu m + g; update = -lr (g + mu m))."""
   return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
@@ -160,6 +255,18 @@ def state_from_numpy(tx: optax.GradientTransformation, global_vec: np.ndarray, s
     if np.shape(got) != np.shape(want):
       raise ValueError(f"saved outer state array of shape {np.shape(got)}, expected {np.shape(want)}")
   return jax.device_put(jax.tree.unflatten(treedef, leaves), _cpu())
+
+
+def momentum_from_state(saved: Any, size: int) -> np.ndarray:
+  """A fragment's Nesterov momentum (a writable float32 vector) from a checkpoint's entry: the vector, or
+  the optax state tree that older syncer checkpoints hold (its one array is the trace)."""
+  leaves = jax.tree.leaves(saved)
+  if len(leaves) != 1:
+    raise ValueError(f"saved outer state has {len(leaves)} arrays, the Nesterov step keeps 1 (the momentum)")
+  momentum = np.array(leaves[0], np.float32).reshape(-1)
+  if momentum.size != size:
+    raise ValueError(f"saved momentum of {momentum.size} elements, the fragment has {size}")
+  return momentum
 
 
 def participation(contributors: int, live_learners: int) -> float:

@@ -18,9 +18,12 @@ where step_time is `estimate_step_time` of the live learners' reported step time
 average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
 early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
 Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
+(1 + s)^-beta), merge (the weighted mean, optionally RDA), with `scale_partial_rounds` the merged outer
 gradient scaled by `outer.participation` (k of n live learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
+fragment published for the downlink (below), and waiting pulls are woken. Contributions are held as they
+arrived (their payloads, checked at push time: checksum, finiteness, and for RDA their norm), and the
+close decodes, weighs, sums and steps them in one chunked pass over the fragment (`outer.apply_round`,
+on `merge_threads` threads), updating the global and its momentum in place. A contribution that arrives
 after its round's deadline goes into the next round (never lost); one based on an older version ("late")
 is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
 contributions merged (quorum counts it once).
@@ -43,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import outer
 from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected
@@ -70,6 +74,7 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -88,6 +93,9 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if self.merge_threads < 1:
+      raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
+                       f"{self.merge_threads}")
 
   @classmethod
   def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
@@ -109,6 +117,7 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
     )
 
 
@@ -129,8 +138,11 @@ class _Contribution:
   base_version: int
   steps: int
   tokens: int
-  delta: np.ndarray
+  # The outer gradient as it arrived (checked, not decoded: a round decodes its contributions chunk by
+  # chunk when it closes, see `outer.apply_round`), and its L2 norm when the merge is RDA (else 0).
+  encoded: codec_lib.Encoded
   arrived: float
+  norm: float = 0.0
 
 
 @dataclasses.dataclass
@@ -178,14 +190,14 @@ class SyncerCore:
     self.clock = clock
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
       frag = np.array(frag, np.float32).reshape(-1)
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
-    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
+    # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
+    self._momenta = [np.zeros_like(g) for g in self._globals]
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     self._open: list[_Round | None] = [None] * settings.num_fragments
@@ -193,7 +205,7 @@ class SyncerCore:
     self._members: dict[int, _Member] = {}
     self.counters = _new_counters()
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch())
+                              epoch=new_epoch(), threads=settings.merge_threads)
 
   @property
   def epoch(self) -> int:
@@ -294,9 +306,10 @@ class SyncerCore:
       problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
                  f"{push.checksum:#010x}")
     else:
-      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
-      if not np.isfinite(delta).all():
+      encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not codec_lib.finite(encoded):
         problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
+      norm = float(np.sqrt(codec_lib.sum_squares(encoded))) if s.rda and problem is None else 0.0
     with self._lock:
       if problem is not None:
         raise self._reject(*problem)
@@ -308,7 +321,7 @@ class SyncerCore:
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
-                                                       push.tokens, delta, now))
+                                                       push.tokens, encoded, now, norm))
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
       receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late)
@@ -362,11 +375,10 @@ class SyncerCore:
     weights = outer.merge_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule,
                                   staleness=[self._versions[p] - c.base_version for c in cs],
                                   beta=s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    scale = 1.0
     if s.scale_partial_rounds:
-      merged = merged * outer.participation(len(rnd.contributors()), len(self._live(started)))
-    self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
-                                                             merged)
+      scale = outer.participation(len(rnd.contributors()), len(self._live(started)))
+    self._merge_and_step(p, cs, weights, scale)
     self._versions[p] += 1
     self._rounds[p] += 1
     self._downlink.commit(p, self._versions[p], self._globals[p])
@@ -376,6 +388,15 @@ class SyncerCore:
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+
+  def _merge_and_step(self, p: int, cs: Sequence[_Contribution], weights: np.ndarray, scale: float) -> None:
+    """Fragment p's global and momentum <- the Nesterov step on scale x merge(contributions, weights), in
+    place (`outer.apply_round`: decoded, weighted and summed chunk by chunk; RDA with the norms taken at
+    push time)."""
+    s = self.settings
+    outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
+                      codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
+                      norms=[c.norm for c in cs], scale=scale, threads=s.merge_threads)
 
   def global_fragments(self) -> list[np.ndarray]:
     """Copies of the global fragments Theta (what the run trains)."""
@@ -460,7 +481,7 @@ class SyncerCore:
       }
 
   def state_dict(self) -> dict:
-    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
+    """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
     numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
     restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
     included: the epoch, membership (learners rejoin after a
@@ -470,7 +491,7 @@ class SyncerCore:
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
-          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "opt_states": [m.copy() for m in self._momenta],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
@@ -491,12 +512,13 @@ class SyncerCore:
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
-    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
     versions = [int(v) for v in state["versions"]]
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch())
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+                                threads=s.merge_threads)
     with self._lock:
       self._globals = fragments
-      self._opt_states = opt_states
+      self._momenta = momenta
       self._versions = versions
       self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
