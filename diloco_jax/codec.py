@@ -233,6 +233,11 @@ def _encode_range(x: np.ndarray, codec: str, block: int, start: int, out: np.nda
     np.multiply(xb, inv[:, None], out=xb)
     np.rint(xb, out=xb)
     np.clip(xb, -qmax, qmax, out=xb)
+    tiny = np.isinf(inv)
+    if tiny.any():  # absmax below float32's normal range: qmax / absmax overflowed, 0 x inf is NaN
+      rows = xb[tiny]
+      rows[np.isnan(rows)] = 0
+      xb[tiny] = rows
     if residual is not None:
       dec = buf[half:half + m].reshape(nbc, block)
       np.multiply(xb, scales[:, None], out=dec)
@@ -340,7 +345,8 @@ def finite(enc: Encoded, *, threads: int = 1) -> bool:
     if enc.codec == "int4" and start % 2:  # an int4 range starts on a byte: take the block before too
       start -= enc.block
     seg = np.empty(stop - start, np.float32)
-    decode_range(enc, start, stop, seg, buf)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing to inf is what we look for
+      decode_range(enc, start, stop, seg, buf)
     if not np.isfinite(seg).all():
       return False
   return True
