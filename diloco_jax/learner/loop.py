@@ -52,44 +52,67 @@ class LearnerStats:
   compute_s: float = 0.0  # wall time of the inner loop outside blocked waits
 
 
+def _take(leaf, shape, a: int, b: int):
+  """The piece [a, b) of a leaf's flattened elements as a flat vector (whole rows sliced as rows)."""
+  row = math.prod(shape[1:]) if len(shape) > 1 else 1
+  if a == 0 and b == math.prod(shape):
+    return leaf.reshape(-1)
+  if a % row == 0 and b % row == 0:
+    return leaf[a // row:b // row].reshape(-1)
+  return leaf.reshape(-1)[a:b]
+
+
+def _put(leaf, shape, a: int, b: int, values):
+  """`leaf` with the piece [a, b) of its flattened elements replaced by the flat `values`."""
+  row = math.prod(shape[1:]) if len(shape) > 1 else 1
+  if a == 0 and b == math.prod(shape):
+    return values.reshape(shape)
+  if a % row == 0 and b % row == 0:
+    return leaf.at[a // row:b // row].set(values.reshape((b - a) // row, *shape[1:]))
+  return leaf.reshape(-1).at[a:b].set(values).reshape(shape)
+
+
 def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings, state_shardings):
   """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p.
 
   `adopt(state, base, global_vec, alpha)` takes the new global fragment; `adopt_delta` takes the syncer's
   delta and rebuilds the global fragment as base + delta, one float32 add per element: the same IEEE
   operation as the syncer's numpy reference update, so the base stays bitwise equal to its reference.
+  A fragment is a list of pieces of leaves (whole leaves unless the plan split them, `fragments.py`): each
+  function reads and writes only its fragment's pieces.
   """
-  paths, shapes = plan.paths[p], plan.shapes[p]
-  sizes = [math.prod(s) for s in shapes]
+  pieces = plan.pieces(p)
+  sizes = [b - a for _, _, a, b in pieces]
   replicated = mesh_lib.replicated(mesh)
   flat = lambda tree: fragments_lib.flatten(tree)
 
   def outer_gradient(base, params):
     b, t = flat(base), flat(params)
-    return jnp.concatenate([(b[k] - t[k]).astype(jnp.float32).reshape(-1) for k in paths])
+    return jnp.concatenate([(_take(b[k], shape, lo, hi) - _take(t[k], shape, lo, hi)).astype(jnp.float32)
+                            for k, shape, lo, hi in pieces])
 
-  def pieces(vec):
-    return {k: piece.reshape(shape) for k, piece, shape in zip(paths, jnp.split(vec, np.cumsum(sizes)[:-1]),
-                                                              shapes)}
+  def split(vec):
+    return jnp.split(vec, np.cumsum(sizes)[:-1])
 
   def mix(state, base, new_global, snapshot_vec, alpha, keep_progress):
     # progress = theta - theta_snapshot, with theta_snapshot = base - snapshot_delta (old base).
-    theta, old_base, snap = flat(state.params), flat(base), pieces(snapshot_vec)
-    mixed = {
-        k: (alpha * theta[k] + (1.0 - alpha) * (v + keep_progress * (theta[k] - old_base[k] + snap[k])))
-        .astype(theta[k].dtype)
-        for k, v in new_global.items()
-    }
-    params = fragments_lib.replace_leaves(state.params, mixed)
-    base = fragments_lib.replace_leaves(base, new_global)
-    return dataclasses.replace(state, params=params), base
+    theta, old_base = flat(state.params), flat(base)
+    params, new_base = {}, {}
+    for (k, shape, lo, hi), v, snap in zip(pieces, new_global, split(snapshot_vec)):
+      th, ob = _take(theta[k], shape, lo, hi), _take(old_base[k], shape, lo, hi)
+      mixed = (alpha * th + (1.0 - alpha) * (v + keep_progress * (th - ob + snap))).astype(th.dtype)
+      params[k] = _put(theta[k], shape, lo, hi, mixed)
+      new_base[k] = _put(old_base[k], shape, lo, hi, v.astype(ob.dtype))
+    state = dataclasses.replace(state, params=fragments_lib.replace_leaves(state.params, params))
+    return state, fragments_lib.replace_leaves(base, new_base)
 
   def adopt(state, base, global_vec, snapshot_vec, alpha, keep_progress):
-    return mix(state, base, pieces(global_vec), snapshot_vec, alpha, keep_progress)
+    return mix(state, base, split(global_vec), snapshot_vec, alpha, keep_progress)
 
   def adopt_delta(state, base, delta_vec, snapshot_vec, alpha, keep_progress):
     b = flat(base)
-    new_global = {k: b[k].astype(jnp.float32) + d for k, d in pieces(delta_vec).items()}
+    new_global = [_take(b[k], shape, lo, hi).astype(jnp.float32) + d
+                  for (k, shape, lo, hi), d in zip(pieces, split(delta_vec))]
     return mix(state, base, new_global, snapshot_vec, alpha, keep_progress)
 
   grad_fn = jax.jit(outer_gradient, in_shardings=(param_shardings, param_shardings), out_shardings=replicated)

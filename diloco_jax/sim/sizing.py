@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import sys
 
-import jax
 from absl import flags
 
 from diloco_jax import cli
@@ -41,10 +40,8 @@ MERGE_TEMPORARIES = 8  # fragment-sized float32 temporaries of one merge + outer
 
 def fragment_sizes(config) -> tuple[int, ...]:
   """Elements per fragment of `config`'s model under its fragment plan, from abstract shapes only."""
-  mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
-  _, abstract = model.abstract_model(config.model, mesh)
   o = config.outer
-  plan = fragments.make_plan(abstract, o.num_fragments, o.sync_every, o.fragment_plan)
+  plan = fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
   return tuple(plan.size(p) for p in range(plan.num_fragments))
 
 

@@ -35,12 +35,8 @@ def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
 def params_from_fragments(plan: fragments.FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
   """Fragment vectors (one per fragment of `plan`) as a nested dict of host arrays shaped like `template`
   (arrays or abstract shapes: every leaf is replaced)."""
-  if len(vectors) != plan.num_fragments:
-    raise ValueError(f"{len(vectors)} fragment vectors for a plan of {plan.num_fragments} fragments")
-  leaves = {}
-  for p, vec in enumerate(vectors):
-    leaves.update(fragments.scatter(plan, p, np.asarray(vec, np.float32).reshape(-1)))
-  return fragments.replace_leaves(template, leaves)
+  vectors = [np.asarray(vec, np.float32).reshape(-1) for vec in vectors]
+  return fragments.replace_leaves(template, fragments.assemble(plan, vectors))
 
 
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
