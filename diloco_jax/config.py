@@ -95,7 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
   c.outer.max_grace_s = 5.0
-  c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
+  c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
@@ -212,8 +212,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
-    if o.max_in_flight < 1:
-      _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
+    if o.max_in_flight < 0:
+      _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:

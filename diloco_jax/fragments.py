@@ -221,6 +221,16 @@ def _group_plan(leaves: list[tuple[tuple, Any]], P: int, kind: str) -> list[dict
   return by_fragment
 
 
+def in_flight_limit(max_in_flight: int, num_fragments: int, sync_every: int, tau: int) -> int:
+  """The fragments a learner may have pushed and not yet adopted: `max_in_flight`, or with 0 what the
+  schedule keeps in flight, ceil(tau x P / H) + 1: a snapshot every H / P steps, each adopted tau steps
+  later, plus one whose sync is still on its way (2 for P = 2, H = 20, tau = 2; tau + 1 for P = H). A
+  smaller limit makes the learner wait at every snapshot."""
+  if max_in_flight > 0:
+    return max_in_flight
+  return -(-tau * num_fragments // sync_every) + 1
+
+
 def due_fragments(plan: FragmentPlan, step: int) -> list[int]:
   """Fragments due at inner step `step` (steps counted from 1; step 0 is the initial state, never due)."""
   if step <= 0:
@@ -279,6 +289,46 @@ def assemble(plan: FragmentPlan, vectors) -> dict[str, np.ndarray]:
       leaves[path].reshape(-1)[a:b] = vec[start:start + b - a]
       start += b - a
   return leaves
+
+
+def leaf_keys(params: Any) -> dict[str, tuple]:
+  """{path: the tuple of keys that reaches the leaf}: for `get_leaves` / `set_leaves`, which skip the
+  walk over the whole tree (a learner touches one fragment's leaves at every step)."""
+  return {_path_str(keys): keys for keys, _ in _iter_leaves(params)}
+
+
+def get_leaves(params: Any, keys: tuple[tuple, ...]) -> tuple:
+  """The leaves of `params` at `keys` (tuples from `leaf_keys`), in order."""
+  out = []
+  for path in keys:
+    node = params
+    for k in path:
+      node = node[k]
+    out.append(node)
+  return tuple(out)
+
+
+def set_leaves(params: Any, keys: tuple[tuple, ...], values) -> Any:
+  """A copy of `params` with the leaves at `keys` replaced by `values`: only the dicts, lists and tuples
+  on the way to them are copied, every other subtree is shared."""
+  return _set(params, [(tuple(path), value) for path, value in zip(keys, values)])
+
+
+def _set(node, items: list[tuple[tuple, Any]]):
+  if not items[0][0]:
+    return items[0][1]
+  groups: dict[Any, list] = {}
+  for path, value in items:
+    groups.setdefault(path[0], []).append((path[1:], value))
+  if type(node) is dict or isinstance(node, Mapping):
+    out = dict(node)
+    for k, sub in groups.items():
+      out[k] = _set(node[k], sub)
+    return out
+  out = list(node)
+  for k, sub in groups.items():
+    out[k] = _set(node[k], sub)
+  return type(node)(out)
 
 
 def replace_leaves(params: Any, updates: Mapping[str, Any]) -> Any:

@@ -172,3 +172,19 @@ def test_scatter_rejects_wrong_size_and_replace_leaves():
   new = fragments.replace_leaves(params, fragments.scatter(plan, 1, vec))
   np.testing.assert_array_equal(fragments.gather(plan, new, 1), vec)
   np.testing.assert_array_equal(fragments.gather(plan, new, 0), fragments.gather(plan, params, 0))
+
+
+def test_get_and_set_leaves_copy_only_the_way_to_them():
+  params = fake_params()
+  params["tup"] = (np.zeros(2, np.float32), {"x": np.ones(3, np.float32)})
+  keys = fragments.leaf_keys(params)
+  want = (keys["layers/2/attn/q/kernel"], keys["tup/1/x"], keys["embed/embedding"])
+  got = fragments.get_leaves(params, want)
+  assert got[1] is params["tup"][1]["x"] and got[0] is params["layers"][2]["attn"]["q"]["kernel"]
+  new = fragments.set_leaves(params, want, ("a", "b", "c"))
+  assert new["layers"][2]["attn"]["q"]["kernel"] == "a" and new["tup"][1]["x"] == "b"
+  assert new["embed"]["embedding"] == "c" and isinstance(new["tup"], tuple)
+  assert new["layers"][1] is params["layers"][1] and new["final_norm"] is params["final_norm"]  # shared
+  assert params["layers"][2]["attn"]["q"]["kernel"] is got[0]  # the original is untouched
+  assert new == fragments.replace_leaves(params, {"layers/2/attn/q/kernel": "a", "tup/1/x": "b",
+                                                  "embed/embedding": "c"})

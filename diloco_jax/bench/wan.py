@@ -59,6 +59,7 @@ import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
+from diloco_jax import fragments  # noqa: E402
 from diloco_jax import model as model_lib  # noqa: E402
 from diloco_jax import trainer as trainer_lib  # noqa: E402
 from diloco_jax.learner import loop as loop_lib  # noqa: E402
@@ -87,7 +88,8 @@ class Mode:
 def modes(config, int4: bool = True) -> list[Mode]:
   """all-at-once, streaming + overlap, and optionally streaming + overlap with int4 both ways."""
   o = config.outer
-  tau, in_flight = max(int(o.tau), 1), max(int(o.max_in_flight), 2)
+  tau = max(int(o.tau), 1)
+  in_flight = max(fragments.in_flight_limit(int(o.max_in_flight), o.num_fragments, o.sync_every, tau), 2)
   out = [Mode("all-at-once", 1, 0, 1, "fp32", "fp32"),
          Mode("streaming", None, tau, in_flight, "fp32", "fp32")]
   if int4:

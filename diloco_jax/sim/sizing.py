@@ -84,7 +84,12 @@ def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
   return syncer_memory(sizes, learners or config.learners.num, codec=o.codec,
                        downlink_codec=o.get("downlink_codec", "fp32"), block=o.codec_block,
-                       max_in_flight=o.max_in_flight)
+                       max_in_flight=_in_flight(config))
+
+
+def _in_flight(config) -> int:
+  o = config.outer
+  return fragments.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau)
 
 
 def syncer_disk_bytes(config, sizes) -> int:
@@ -109,7 +114,7 @@ def learner_memory(config, sizes) -> dict[str, int]:
   axes = mesh_lib.resolve_axis_sizes(mesh_lib.mesh_axes_from_config(config), config.learners.devices)
   shards = axes["fsdp"] * axes["tensor"]
   return {"state_bytes_per_chip": 16 * sum(sizes) // shards, "parameter_shards": shards,
-          "host_bytes": (config.outer.max_in_flight + 1) * 4 * max(sizes)}
+          "host_bytes": (_in_flight(config) + 1) * 4 * max(sizes)}
 
 
 def sizing(config, learners: int | None = None, step_s: float = 0.0) -> dict:
@@ -143,7 +148,7 @@ def format_sizing(s: dict, config) -> str:
   lines = [
       f"{s['params'] / 1e6:,.1f}M parameters in {len(s['fragment_sizes'])} fragments (largest "
       f"{max(s['fragment_sizes']) / 1e6:,.1f}M), {s['learners']} learners, H={s['sync_every']}, uplink "
-      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {o.max_in_flight}",
+      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {_in_flight(config)}",
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),
