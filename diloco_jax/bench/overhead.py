@@ -1,4 +1,4 @@
-"""`python -m diloco_jax bench overhead --config configs/small_cpu.py [--chunks 5 --steps N]`
+"""`python -m diloco_jax bench overhead --config configs/small_cpu.py [--chunks 30 --steps N]`
 
 A learner's tokens/s with its outer loop active (snapshots, int4 encoding, pushes, merges by an
 in-process syncer core, adoptions) against the bare inner step of the same model on the same device
@@ -37,8 +37,9 @@ from diloco_jax import trainer as trainer_lib
 
 
 def _flags(fv):
-  flags.DEFINE_integer("chunks", 10, "Alternating measurement chunks per side.", flag_values=fv)
-  flags.DEFINE_integer("steps", 0, "Steps per chunk (default: 2 H).", flag_values=fv)
+  flags.DEFINE_integer("chunks", 30, "Alternating measurement chunks per side.", flag_values=fv)
+  flags.DEFINE_integer("steps", 0, "Steps per chunk (default: whole sync periods of H, at least 8).",
+                       flag_values=fv)
   flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
 
 
@@ -93,7 +94,7 @@ def main(argv) -> int:
   cli.validated(config, len(jax.devices()), learners=True)
   config.outer.min_quorum = 1
   h = config.outer.sync_every
-  steps = fv.steps or 2 * h
+  steps = fv.steps or h * -(-8 // h)
   devices = jax.devices()[:config.learners.devices]
   batch = config.data.global_batch // config.learners.num
   print(f"bench overhead: {len(devices)} devices, batch {batch}, H={h}, P={config.outer.num_fragments}, "
