@@ -107,33 +107,45 @@ class Reassembler:
   """Rebuilds a payload from offset-tagged chunks that must arrive in order.
 
   Memory grows with the bytes that actually arrived, never with the size a header declared: a sender that
-  declares a large payload and sends nothing costs nothing.
+  declares a large payload and sends nothing costs nothing. `into`: a buffer of exactly the declared size
+  that the receiver already holds (a reused one, see `wire.BufferPool`) to copy the chunks into instead.
   """
 
-  def __init__(self, total_size: int, what: str = "payload"):
+  def __init__(self, total_size: int, what: str = "payload", into: bytearray | None = None):
     if total_size < 0:
       raise ProtocolError("oversize", f"{what}: negative declared size {total_size}")
     self.total_size = int(total_size)
     self._what = what
+    if into is not None and len(into) != self.total_size:
+      raise ValueError(f"{what}: a buffer of {len(into)} bytes for {self.total_size}")
+    self._into = into
+    self._received = 0
     self._buf = bytearray()
 
   @property
   def received(self) -> int:
-    return len(self._buf)
+    return self._received
 
   def add(self, offset: int, data: bytes) -> None:
-    if offset != len(self._buf):
+    if offset != self._received:
       raise ProtocolError("sequence", f"{self._what}: chunk out of sequence: offset {offset}, expected "
-                          f"{len(self._buf)}")
-    if len(self._buf) + len(data) > self.total_size:
+                          f"{self._received}")
+    if self._received + len(data) > self.total_size:
       raise ProtocolError("oversize", f"{self._what} exceeds its declared size of {self.total_size} bytes")
-    self._buf += data
+    if self._into is not None:
+      self._into[offset:offset + len(data)] = data
+    else:
+      self._buf += data
+    self._received += len(data)
 
-  def finish(self) -> bytes:
-    if len(self._buf) != self.total_size:
+  def finish(self, *, copy: bool = True) -> bytes | bytearray:
+    """The payload. `copy=False` hands over the buffer itself (a bytearray, one payload-sized copy fewer;
+    the caller then owns it and must not change it while the payload is in use)."""
+    if self._received != self.total_size:
       raise ProtocolError("truncated", f"truncated {self._what}: declared {self.total_size} bytes, received "
-                          f"{len(self._buf)}")
-    out, self._buf = bytes(self._buf), bytearray()
+                          f"{self._received}")
+    buf = self._into if self._into is not None else self._buf
+    out, self._buf, self._into = (bytes(buf) if copy else buf), bytearray(), None
     return out
 
 

@@ -31,6 +31,7 @@ from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.ratelimit import RateLimiter
 from diloco_jax.syncer.auth import AuthInterceptor, TlsConfig, check_bind
+from diloco_jax.syncer.dataplane import DataPlaneServer
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._max_push_bytes = min(limits.max_push_bytes, core.max_payload_bytes())
     self._counters: dict[str, int] = {}
     self._lock = threading.Lock()
+    self.data_port = 0  # the data plane's port, told to learners at Join (0: none)
 
   def _count(self, name: str, n: int = 1) -> None:
     with self._lock:
@@ -148,7 +150,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._admit(request.learner_id)
     versions = self.core.join(request.learner_id, request.fingerprint)
     self._count("joins")
-    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()})
+    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()}, data_port=self.data_port)
 
   @_rpc
   def Leave(self, request, context):
@@ -246,9 +248,12 @@ class ServerHandle:
   server: grpc.Server
   port: int
   servicer: SyncerServicer
+  data_plane: DataPlaneServer | None = None
 
   def stop(self, grace: float | None = 1.0) -> None:
     """Stop accepting calls; let calls in flight finish for up to `grace` seconds."""
+    if self.data_plane is not None:
+      self.data_plane.stop()
     self.server.stop(grace).wait()
 
   def wait(self, timeout: float | None = None) -> bool:
@@ -257,7 +262,7 @@ class ServerHandle:
 
 def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsConfig | None = None,
           limits: Limits = Limits(), fingerprint: str | None = None, max_workers: int = 16,
-          allow_remote: bool = False) -> ServerHandle:
+          allow_remote: bool = False, data_plane: bool = True) -> ServerHandle:
   """Start the syncer service for `core` on `bind` in a thread pool; return at once.
 
   Args:
@@ -270,6 +275,8 @@ def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsCon
       checked by the core).
     max_workers: threads serving calls (a long-poll Pull holds one while it waits).
     allow_remote: permit a non-loopback bind.
+    data_plane: also serve Push and Pull payloads on a raw-TCP port of the same host
+      (`syncer/dataplane.py`), which Join tells learners; gRPC stays the control plane and the fallback.
   """
   check_bind(bind, allow_remote=allow_remote, tls=tls)
   servicer = SyncerServicer(core, limits, fingerprint)
@@ -292,5 +299,10 @@ def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsCon
   if port == 0:
     raise OSError(f"could not bind {bind!r}")
   server.start()
-  log.info("syncer serving on %s (port %d, %s)", bind, port, "TLS" if tls else "plaintext")
-  return ServerHandle(server=server, port=port, servicer=servicer)
+  plane = None
+  if data_plane:
+    plane = DataPlaneServer(servicer, token, bind.rsplit(":", 1)[0].strip("[]") or "127.0.0.1", tls=tls)
+    servicer.data_port = plane.port
+  log.info("syncer serving on %s (port %d, %s)%s", bind, port, "TLS" if tls else "plaintext",
+           f", data plane on port {plane.port}" if plane else "")
+  return ServerHandle(server=server, port=port, servicer=servicer, data_plane=plane)

@@ -14,6 +14,11 @@ does not know which one it holds. Calls block; the worker calls them, never the 
   headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers. Retried
   attempts count again: they crossed the wire again.
 * WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in.
+* Data plane: when the syncer's Join names a data port (`syncer/dataplane.py`, framing in `wire.py`),
+  push and pull payloads travel over a raw TCP connection to it (TLS with the same certificates when the
+  channel has them; the token proven by an HMAC of the server's nonce), at socket speed, counted byte for
+  byte as sent and received (the hello, request, replies and payload) and paced by the WAN emulation like
+  gRPC chunks. If the data plane fails (refused connection, reset, timeout), the call goes over gRPC.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ import json
 import logging
 import pathlib
 import random
+import socket
+import ssl
 import threading
 import time
 from typing import Callable, Iterator
 
 import grpc
 
+from diloco_jax import wire
 from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
 from diloco_jax.protocol import Reassembler, Rejected, chunks
 from diloco_jax.proto import diloco_pb2 as pb
@@ -77,6 +85,8 @@ class GrpcTransport:
     unreachable_deadline_s: keep retrying an unreachable syncer this long before raising.
     backoff_s, max_backoff_s: first and largest retry delay.
     call_timeout_s: deadline of one attempt (a Pull adds its long-poll time).
+    data_plane: use the syncer's data plane for payloads when its Join offers one.
+    max_pull_bytes: the largest pulled payload accepted (a declared size beyond it is refused unread).
   """
 
   def __init__(self, target: str, token: str, learner_id: int, *, fingerprint: str | None = None,
@@ -84,7 +94,8 @@ class GrpcTransport:
                tls_server_name: str | None = None, wan: wan_lib.WanLink | wan_lib.WanSpec | None = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 4 << 20,
                unreachable_deadline_s: float = 300.0, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-               call_timeout_s: float = 120.0, sleep: Callable[[float], None] = time.sleep):
+               call_timeout_s: float = 120.0, sleep: Callable[[float], None] = time.sleep,
+               data_plane: bool = True, max_pull_bytes: int = 2 << 30):
     if not token:
       raise ValueError("GrpcTransport needs the run token")
     if chunk_bytes < 1 or chunk_bytes + 64 > max_message_bytes:
@@ -99,6 +110,13 @@ class GrpcTransport:
     self.wan = wan_lib.WanLink(wan) if isinstance(wan, wan_lib.WanSpec) else wan
     self._sleep = sleep
     self._metadata = (("authorization", f"Bearer {token}"),)
+    self._token = token
+    self._use_data_plane = data_plane
+    self.data_port = 0  # from the last Join (0: the syncer offers no data plane)
+    self.max_pull_bytes = max_pull_bytes
+    self._pull_pool = wire.BufferPool(256 << 20)  # pulled payloads, reused once decoded
+    self._data_host = target.rsplit(":", 1)[0].strip("[]")
+    self._data_ssl, self._data_server_name = None, None
     self._lock = threading.Lock()
     self._sent = 0
     self._received = 0
@@ -108,6 +126,10 @@ class GrpcTransport:
     if tls_ca or tls_cert:
       read = lambda p: pathlib.Path(p).read_bytes() if p else None
       creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+      self._data_ssl = ssl.create_default_context(cafile=tls_ca)
+      if tls_cert:
+        self._data_ssl.load_cert_chain(tls_cert, tls_key)
+      self._data_server_name = tls_server_name or self._data_host
       if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
       self._channel = grpc.secure_channel(target, creds, options=options)
@@ -201,8 +223,9 @@ class GrpcTransport:
 
     def attempt(timeout):
       self._out(request, True)
-      response = self._stub.Join(request, timeout=timeout, metadata=self._metadata)
-      return {int(k): int(v) for k, v in self._in(response, True).versions.items()}
+      response = self._in(self._stub.Join(request, timeout=timeout, metadata=self._metadata), True)
+      self.data_port = int(response.data_port) if self._use_data_plane else 0
+      return {int(k): int(v) for k, v in response.versions.items()}
 
     return self._call("join", attempt)
 
@@ -244,6 +267,11 @@ class GrpcTransport:
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
                            codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
+    if self.data_port:
+      response = self._data_call("push", wire.OP_PUSH, header, push.payload)
+      if response is not None:
+        r = pb.PushResponse.FromString(response)
+        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late)
 
     def attempt(timeout):
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
@@ -268,6 +296,10 @@ class GrpcTransport:
     if have_version >= 0:  # unset means "nothing usable": a full answer
       request.have_version = have_version
       request.have_epoch = have_epoch
+    if self.data_port:
+      pulled = self._data_call("pull", wire.OP_PULL, request, None, wait_s=float(timeout_s))
+      if pulled is not None:
+        return pulled
 
     def attempt(timeout):
       self._out(request, True)
@@ -296,6 +328,79 @@ class GrpcTransport:
                        checksum=h.checksum, epoch=h.epoch)
 
     return self._call("pull", attempt)
+
+  # --- the data plane ------------------------------------------------------------------------------------
+
+  def _data_call(self, name: str, op: bytes, header, payload: bytes | None, wait_s: float = 0.0):
+    """One transfer over the data plane: the push reply's body (push), the Published or None (pull). A
+    refusal raises like gRPC's; a broken transfer returns None after logging (the caller uses gRPC)."""
+    try:
+      with socket.create_connection((self._data_host, self.data_port), timeout=self.call_timeout_s) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = (self._data_ssl.wrap_socket(raw, server_hostname=self._data_server_name)
+                if self._data_ssl is not None else raw)
+        with sock:
+          nonce = wire.parse_hello(self._data_recv(sock, wire.HELLO_BYTES, first=True))
+          self._data_send(sock, wire.request(self._token, nonce, op, header.SerializeToString()), first=True)
+          if op == wire.OP_PUSH:
+            wire.send_payload(sock, payload, lambda n: self._data_count_out(n, first=False))
+            return self._data_reply(sock, name)
+          sock.settimeout(self.call_timeout_s + wait_s)  # the reply waits for the long-poll
+          h = pb.PullHeader.FromString(self._data_reply(sock, name))
+          sock.settimeout(self.call_timeout_s)
+          return self._data_pulled(sock, h)
+    except (OSError, wire.WireError, ssl.SSLError, ProtocolError) as e:
+      log.warning("%s: data plane to %s:%d failed (%s); using gRPC", name, self._data_host, self.data_port, e)
+      return None
+
+  def _data_pulled(self, sock, h) -> Published | None:
+    if not h.found:
+      return None
+    if h.kind not in ("", "full", "delta"):
+      raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
+    if h.total_size > self.max_pull_bytes:
+      raise SyncerError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"pull: declared payload of {h.total_size} bytes "
+                        f"exceeds this client's limit of {self.max_pull_bytes}")
+    data = wire.recv_payload(sock, h.total_size, f"pulled fragment {h.fragment}",
+                             lambda n: self._data_count_in(n, first=False), self._pull_pool)
+    kind = {"base_version": h.base_version, "kind": "delta"} if h.kind == "delta" else {}
+    return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data, checksum=h.checksum,
+                     epoch=h.epoch, **kind)
+
+  def _data_reply(self, sock, name: str) -> bytes:
+    status, body = wire.recv_frame(sock, f"{name} reply")
+    self._data_count_in(5 + len(body), first=False)
+    if status == wire.OK:
+      return body
+    reason, message = wire.parse_refusal(body)
+    if reason == "unauthenticated":
+      raise AuthError(f"{name}: syncer refused the run token: {message}")
+    if reason in REASONS:
+      raise Rejected(reason, message)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason in ("rate_limit", "oversize") else \
+        grpc.StatusCode.INVALID_ARGUMENT
+    raise SyncerError(code, f"{name}: {reason}: {message}")
+
+  def _data_send(self, sock, data: bytes, first: bool) -> None:
+    self._data_count_out(len(data), first)
+    sock.sendall(data)
+
+  def _data_recv(self, sock, n: int, first: bool) -> bytes:
+    data = wire.recv_exact(sock, n, "hello")
+    self._data_count_in(n, first)
+    return data
+
+  def _data_count_out(self, n: int, first: bool) -> None:
+    if self.wan is not None:
+      self.wan.send(n, first=first)
+    with self._lock:
+      self._sent += n
+
+  def _data_count_in(self, n: int, first: bool) -> None:
+    with self._lock:
+      self._received += n
+    if self.wan is not None:
+      self.wan.receive(n, first=first)
 
   def close(self) -> None:
     self._channel.close()
