@@ -188,3 +188,10 @@ def test_get_and_set_leaves_copy_only_the_way_to_them():
   assert params["layers"][2]["attn"]["q"]["kernel"] is got[0]  # the original is untouched
   assert new == fragments.replace_leaves(params, {"layers/2/attn/q/kernel": "a", "tup/1/x": "b",
                                                   "embed/embedding": "c"})
+
+
+def test_in_flight_limit_follows_the_schedule():
+  assert fragments.in_flight_limit(0, 2, 20, 2) == 2  # the default schedule: what max_in_flight was
+  assert fragments.in_flight_limit(0, 24, 24, 2) == 3  # P = H: a snapshot every step, adopted tau later
+  assert fragments.in_flight_limit(0, 4, 4, 0) == 1  # synchronous
+  assert fragments.in_flight_limit(5, 24, 24, 2) == 5  # a set value is kept
