@@ -114,6 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
   c.syncer.rate_limit_burst = 200.0
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.data_plane = True  # also serve push/pull payloads on a raw-TCP port (gRPC stays the control plane)
   c.syncer.merge_threads = 0  # threads of a round's merge, outer step and downlink encode; 0 = the cores, <= 8
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
   c.syncer.keep_checkpoints = 3

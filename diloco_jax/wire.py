@@ -28,10 +28,8 @@ import hmac
 import json
 import socket
 import struct
-import sys
-import threading
 
-from diloco_jax.protocol import ProtocolError, Reassembler
+from diloco_jax.protocol import BufferPool, ProtocolError, Reassembler
 
 MAGIC = b"DLCD"
 VERSION = 1
@@ -108,45 +106,6 @@ def recv_frame(sock: socket.socket, what: str) -> tuple[int, bytes]:
   if status not in (OK, REFUSED) or length > MAX_HEADER_BYTES:
     raise WireError(f"bad {what}: status {status}, {length} bytes")
   return status, recv_exact(sock, length, what)
-
-
-class BufferPool:
-  """Payload buffers kept for reuse: a fresh buffer of a fragment's size costs the kernel's page faults,
-  about twice the transfer itself on loopback (docs/benchmarks.md), and the same sizes come back every
-  round. Buffers enter the pool only after a transfer filled them (`adopt`), never on a declared size,
-  and one is handed out again (`take`) only when nothing else references it: the core drops a push's
-  payload when its round closes, a learner its pulled payload once decoded (CPython reference counts, so
-  a buffer anyone still reads is never reused). At most `limit_bytes` are kept."""
-
-  def __init__(self, limit_bytes: int):
-    self.limit_bytes = limit_bytes
-    self._buffers: list[bytearray] = []
-    self._lock = threading.Lock()
-
-  def take(self, size: int) -> bytearray | None:
-    """A pooled buffer of exactly `size` bytes that nobody holds, or None."""
-    with self._lock:
-      for buf in self._buffers:
-        # References: the pool's list, this loop variable, getrefcount's argument.
-        if len(buf) == size and sys.getrefcount(buf) <= 3:
-          return buf
-    return None
-
-  def adopt(self, buf: bytearray) -> None:
-    """Keep `buf` (just filled by a transfer) for reuse, if it fits the limit (else the oldest free
-    buffers make room, or it is not kept)."""
-    with self._lock:
-      if any(b is buf for b in self._buffers):
-        return
-      held = sum(len(b) for b in self._buffers)
-      for old in list(self._buffers):
-        if held + len(buf) <= self.limit_bytes:
-          break
-        if sys.getrefcount(old) <= 4:  # the pool's list, the copy iterated, `old`, the argument: free
-          self._buffers.remove(old)
-          held -= len(old)
-      if held + len(buf) <= self.limit_bytes:
-        self._buffers.append(buf)
 
 
 def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: None,

@@ -5,14 +5,15 @@
 The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
 fragments, their Nesterov momentum, the downlink reference (only with a lossy `outer.downlink_codec`; with
 fp32 the reference is the global fragment itself) and the cached fp32 answer to full pulls (joins,
-restarts). Pushed contributions wait decoded (float32) in open rounds; a learner has at most
-`outer.max_in_flight` fragments pushed and not yet adopted, so at most M x min(max_in_flight, P) of them,
-each at most the largest fragment. Transients come on top, measured on a real syncer process (134.5M
-parameters, fp32 and int8 downlinks, the commands in docs/tpu.md): a checkpoint holds three extra copies of
-the checkpointed vectors (the state dict's copy, the save's copy, the writer's buffers), a resume two,
-the fresh start two vectors of S; the process itself (Python, jax, gRPC, orbax) takes ~0.5 GiB. A merge
-and outer step hold about eight fragment-sized temporaries (estimated from `outer.merge` and
-`outer.outer_step`, not measured).
+restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
+has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
+`fragments.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
+fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
+downlinks, the commands in docs/tpu.md): a checkpoint held three extra copies of the checkpointed vectors
+(the state dict's copy, the save's copy, the writer's buffers; the save's copy is gone since, so two,
+not re-measured), a resume two, the fresh start two vectors of S; the process itself (Python, jax, gRPC,
+orbax) takes ~0.5 GiB. A round's merge, outer step and downlink encode work in place in cache-sized
+chunks (`outer.apply_round`, `codec.encode_residual`): no fragment-sized temporaries.
 
 Pure functions of the fragment sizes; `fragment_sizes` gets those from the model's abstract shapes (no
 parameters are materialized).
@@ -32,10 +33,10 @@ from diloco_jax import mesh as mesh_lib
 from diloco_jax import model
 
 PROCESS_BYTES = 600 * 2**20  # a syncer process with nothing loaded (measured ~520 MiB, rounded up)
-CHECKPOINT_COPIES = 3  # extra copies of the checkpointed vectors while a checkpoint is written (measured)
+CHECKPOINT_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is written (3 measured, one removed since)
 RESUME_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is restored (measured)
 START_COPIES = 2  # extra model-sized vectors while the initial parameters are built (measured)
-MERGE_TEMPORARIES = 8  # fragment-sized float32 temporaries of one merge + outer step (estimated)
+MERGE_TEMPORARIES = 0  # fragment-sized float32 temporaries of one merge + outer step (chunked, in place)
 
 
 def fragment_sizes(config) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, bloc
       "reference": model_bytes if delta_downlink else 0,
       "full_answer": model_bytes,
       "latest_deltas": sum(codec_lib.encoded_size(n, downlink_codec, block) for n in sizes) if delta_downlink else 0,
-      "open_rounds": waiting * largest,
+      "open_rounds": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "pushes_receiving": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "checkpoint_transient": CHECKPOINT_COPIES * vectors * model_bytes,
       "merge_transient": MERGE_TEMPORARIES * largest,

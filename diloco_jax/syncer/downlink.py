@@ -34,7 +34,9 @@ from typing import Sequence
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import Published
+from diloco_jax.protocol import BufferPool, Published
+
+ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one costs its page faults)
 
 
 def new_epoch() -> int:
@@ -60,6 +62,7 @@ class Downlink:
     self._versions = [0] * len(self.sizes)
     self._deltas: list[Published | None] = [None] * len(self.sizes)  # the latest version's delta
     self._full: list[Published | None] = [None] * len(self.sizes)  # built lazily: joins and laggards
+    self._answers = BufferPool(ANSWER_POOL_BYTES)
 
   def commit(self, p: int, version: int, theta: np.ndarray) -> None:
     """Publish fragment p's new global `theta` at `version`."""
@@ -82,7 +85,10 @@ class Downlink:
         and have_version == delta.base_version and same_reference):
       return delta
     if self._full[p] is None:
-      payload = codec_lib.encode(self._refs[p], "fp32", self.block)
+      # R_v's bytes, in a buffer no earlier answer still being sent holds (reused, see BufferPool).
+      payload = self._answers.take(4 * self.sizes[p]) or bytearray(4 * self.sizes[p])
+      np.copyto(np.frombuffer(payload, "<f4"), self._refs[p])
+      self._answers.adopt(payload)
       self._full[p] = Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
                                 checksum=codec_lib.checksum(payload), epoch=self.epoch)
     return self._full[p]

@@ -335,7 +335,8 @@ class GrpcTransport:
     """One transfer over the data plane: the push reply's body (push), the Published or None (pull). A
     refusal raises like gRPC's; a broken transfer returns None after logging (the caller uses gRPC)."""
     try:
-      with socket.create_connection((self._data_host, self.data_port), timeout=self.call_timeout_s) as raw:
+      with socket.create_connection((self._data_host, self.data_port), timeout=min(self.call_timeout_s, 10.0)) as raw:
+        raw.settimeout(self.call_timeout_s)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = (self._data_ssl.wrap_socket(raw, server_hostname=self._data_server_name)
                 if self._data_ssl is not None else raw)
@@ -350,7 +351,9 @@ class GrpcTransport:
           sock.settimeout(self.call_timeout_s)
           return self._data_pulled(sock, h)
     except (OSError, wire.WireError, ssl.SSLError, ProtocolError) as e:
+      # gRPC carries the payloads until the next Join offers the data plane again.
       log.warning("%s: data plane to %s:%d failed (%s); using gRPC", name, self._data_host, self.data_port, e)
+      self.data_port = 0
       return None
 
   def _data_pulled(self, sock, h) -> Published | None:
