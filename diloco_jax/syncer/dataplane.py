@@ -23,6 +23,8 @@ import struct
 import threading
 import time
 
+from google.protobuf.message import DecodeError
+
 from diloco_jax import wire
 from diloco_jax.protocol import Push, Rejected
 from diloco_jax.proto import diloco_pb2 as pb
@@ -126,6 +128,9 @@ class DataPlaneServer:
         self._pull(conn, header, deadline)
     except Rejected as e:
       conn.sendall(wire.refusal(e.reason, e.message))
+    except DecodeError as e:
+      self.servicer._count("data_refused_protocol")
+      conn.sendall(wire.refusal("protocol", f"unreadable request header: {e}"))
     except _Refusal as e:
       self.servicer._count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
