@@ -40,6 +40,8 @@ def _flags(fv: flags.FlagValues) -> None:
 def _seconds(s: float | None) -> str:
   if s is None:
     return "-"
+  if s < 1:
+    return f"{1e3 * s:.0f}ms"
   if s < 60:
     return f"{s:.1f}s"
   if s < 3600:
