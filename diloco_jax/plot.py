@@ -163,6 +163,7 @@ def _versions(ax, runs: Sequence[Run]) -> bool:
       drawn = True
   ax.set_xlabel("wall time since the run's first record (s)")
   ax.set_ylabel("global version")
+  ax.yaxis.get_major_locator().set_params(integer=True)
   ax.set_title("Fragment versions (outer steps) over time")
   return drawn
 

@@ -71,10 +71,11 @@ def format_status(status: dict, target: str = "") -> str:
   out = [f"syncer {target}  fingerprint {status['fingerprint']}  up {_seconds(status.get('uptime_s'))}  "
          f"live {len(status['live'])}/{num}  goodput so far {status.get('goodput_estimate', 0.0):.1%} "
          f"(syncer's estimate)", ""]
-  rows = [[i, "yes" if m["live"] else ("left" if m["left"] else "no"), "-" if m.get("step") is None else m["step"],
+  rows = [[i, "yes" if m["live"] else ("left" if m["left"] else "no"),
+           "-" if m.get("step") is None else f"{m['step']} ({_seconds(m.get('step_ago_s'))} ago)",
            _seconds(m["step_time_s"]) if m["step_time_s"] else "-",
            "-" if m.get("last_push_ago_s") is None else f"{_seconds(m['last_push_ago_s'])} ago",
-           m.get("steps_merged", 0), _seconds(m["lease_left_s"])]
+           f"{m.get('steps_merged', 0):.0f}", _seconds(m["lease_left_s"])]
           for i, m in sorted(members.items(), key=lambda kv: int(kv[0]))]
   out += _table(["learner", "alive", "step", "step time", "last push", "steps merged", "lease left"],
                 rows or [["(none joined)", "", "", "", "", "", ""]])

@@ -42,9 +42,9 @@ def test_status_reports_steps_pushes_rounds_and_goodput_on_a_fake_clock():
   assert core.tick() == [0]  # closed at the deadline, one second after the quorum
   status = core.status()
   m0, m1 = status["members"]["0"], status["members"]["1"]
-  assert (m0["step"], m1["step"]) == (10, None)
+  assert (m0["step"], m1["step"]) == (10, None) and (m0["step_ago_s"], m1["step_ago_s"]) == (4.0, None)
   assert (m0["last_push_ago_s"], m1["last_push_ago_s"]) == (2.0, 1.0)
-  assert (m0["steps_merged"], m1["steps_merged"]) == (10, 20)
+  assert (m0["steps_merged"], m1["steps_merged"]) == (5.0, 10.0)  # over P = 2 fragments
   assert status["since_start"] == {"rounds": 1, "contributors": 2, "grace_wait_s": 1.0}
   assert status["uptime_s"] == 4.0 and status["num_learners"] == 3
   # (10 steps x 0.5 s + 20 steps x 0.25 s) / 2 fragments, over 3 learners x 4 s.
@@ -60,7 +60,7 @@ def test_a_rejoin_keeps_what_the_status_knew():
   core.leave(0)
   core.join(0, FP)
   m = core.status()["members"]["0"]
-  assert m["step"] == 7 and m["steps_merged"] == 7 and m["last_push_ago_s"] is not None
+  assert m["step"] == 7 and m["steps_merged"] == 7.0 and m["last_push_ago_s"] is not None
 
 
 def test_learner_heartbeats_carry_its_step_and_skip_the_compiling_step():
@@ -119,7 +119,7 @@ def test_status_command_against_a_live_syncer(served):
     l1.heartbeat(1, 0.5, step=9)
     n0, n1 = core.settings.sizes
     # Fragment 1 merges (both learners), fragment 0 has learner 1's contribution waiting in its round.
-    l0.push(helpers.make_push(0, np.full(n1, 0.01), core=core, fragment=1, steps=17))
+    l0.push(helpers.make_push(0, np.full(n1, 0.01), core=core, fragment=1, steps=18))
     l1.push(helpers.make_push(1, np.full(n1, 0.01), core=core, fragment=1, steps=9))
     l1.push(helpers.make_push(1, np.full(n0, 0.01), core=core, fragment=0, steps=9))
     with pytest.raises(Rejected):
@@ -135,7 +135,9 @@ def test_status_command_against_a_live_syncer(served):
   rows = {tuple(line.split()[:3]) for line in lines}
   assert ("0", "yes", "17") in rows and ("1", "yes", "9") in rows
   learner0 = next(line for line in lines if line.startswith("0 ") and "ago" in line)
-  assert learner0.split()[3] == "125ms" and learner0.split()[6] == "17"  # step time; steps merged
+  cells = learner0.split()  # 0 yes 17 (Xms ago) 125ms Yms ago 9 Z: the step is from a heartbeat Xms ago
+  assert cells[3].startswith("(") and cells[4] == "ago)"
+  assert cells[5] == "125ms" and cells[8] == "9"  # step time; steps merged (18 over P = 2)
   fragments = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"]) and "ago" not in line]
   assert fragments[0][:3] == ["0", "0", "1"]  # fragment 0: version 0, learner 1 in its open round
   assert fragments[1][:3] == ["1", "1", "-"]  # fragment 1: version 1, no open round

@@ -29,7 +29,8 @@ def _flags(fv):
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
-  available = len(cli.devices((config.learners.num + 1) * config.learners.devices, "bench quality"))
+  # The DiLoCo run's devices, which the baseline uses all of (its evaluator shares the first learner's).
+  available = len(cli.devices(config.learners.num * config.learners.devices, "bench quality"))
   cli.validated(config, available, learners=True)
   cli.validated(config, available, learners=False)
   root = pathlib.Path(fv.workdir)

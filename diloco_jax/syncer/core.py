@@ -121,8 +121,11 @@ class _Member:
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
   step: int | None = None  # the learner's inner step, as its last heartbeat reported it
+  step_at: float | None = None  # clock time of that heartbeat
   last_push: float | None = None  # clock time of its last accepted push
-  steps_merged: int = 0  # inner steps of its contributions merged since this syncer started (all fragments)
+  # Inner steps of its contributions merged since this syncer started, summed over fragments (each
+  # fragment's contributions count the same steps: `status` divides by P).
+  steps_merged: int = 0
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -228,6 +231,7 @@ class SyncerCore:
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
                                           step_time_s=old.step_time_s if old else 0.0,
                                           step=old.step if old else None,
+                                          step_at=old.step_at if old else None,
                                           last_push=old.last_push if old else None,
                                           steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
@@ -256,7 +260,7 @@ class SyncerCore:
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
       if step is not None:
-        member.step = int(step)
+        member.step, member.step_at = int(step), self.clock()
       self._tick_locked()
 
   def live_learners(self) -> list[int]:
@@ -486,8 +490,9 @@ class SyncerCore:
           "live": self._live(now),
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
                                "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
+                               "step_ago_s": None if m.step_at is None else now - m.step_at,
                                "last_push_ago_s": None if m.last_push is None else now - m.last_push,
-                               "steps_merged": m.steps_merged}
+                               "steps_merged": m.steps_merged / self.settings.num_fragments}
                       for i, m in sorted(self._members.items())},
           "versions": list(self._versions),
           "rounds": list(self._rounds),
