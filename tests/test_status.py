@@ -4,8 +4,10 @@ command against a live gRPC syncer (a real server on loopback, the command a rea
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -154,3 +156,24 @@ def test_status_command_with_a_wrong_token_says_so(served):
   _, handle = served
   proc = _status_command(handle.port, token="not-the-token")
   assert proc.returncode == 1 and "token" in proc.stderr and proc.stdout == ""
+
+
+
+def test_status_watch_redraws_until_interrupted(served):
+  _, handle = served
+  env = {**os.environ, TOKEN_ENV: TOKEN}
+  proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", "status", "--syncer", f"127.0.0.1:{handle.port}",
+                           "--watch", "--interval", "0.2"], cwd=helpers.REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  try:
+    helpers.wait_for(lambda: sum(line.startswith("fragment  version") for line in lines) >= 3, "three redraws",
+                     timeout=120, poll=0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0, proc.stderr.read()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
