@@ -129,6 +129,9 @@ def test_status_command_against_a_live_syncer(served):
     # An observer (the status command itself, or the evaluator) pulls without joining: no member.
     with GrpcTransport(target, TOKEN, OBSERVER_ID, fingerprint=FP, unreachable_deadline_s=2.0) as observer:
       assert observer.pull(0, 0).version == 0
+      with pytest.raises(Rejected) as e:  # and it can never become one
+        observer.join(OBSERVER_ID, FP)
+      assert e.value.reason == "unknown_learner"
     proc = _status_command(handle.port)
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()

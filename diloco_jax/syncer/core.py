@@ -10,6 +10,8 @@ Membership. A learner joins with the run's fingerprint (another fingerprint is r
 of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
 not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
 until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
+and read the status without joining, and a join with one is refused, so an observer is never a member.
 
 Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
@@ -223,6 +225,8 @@ class SyncerCore:
   def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
     """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
     with self._lock:
+      if learner_id < 0:  # protocol.OBSERVER_ID and the like: observers pull without ever being members
+        raise Rejected("unknown_learner", f"learner id {learner_id} is an observer's: observers never join")
       if fingerprint != self.settings.fingerprint:
         raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
                        f"syncer serves {self.settings.fingerprint!r} (different run or config)")
