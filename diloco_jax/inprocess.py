@@ -52,7 +52,7 @@ class InProcessRun:
   Args:
     config: the run's config (validated).
     workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
-      (`syncer/`); None: nothing on disk.
+      (`syncer/syncer_checkpoints/`); None: nothing on disk.
     learner_ids: which learners to create (default: all `learners.num`); each gets `learners.devices`
       devices, carved in order from `devices` (default `jax.devices()`).
 

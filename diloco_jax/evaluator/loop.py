@@ -76,12 +76,7 @@ class GlobalEval:
 
   def params(self, vectors: Sequence[np.ndarray]) -> Any:
     """The model's parameters (a nested dict of host arrays) from the P flat fragment vectors."""
-    if len(vectors) != self.plan.num_fragments:
-      raise ValueError(f"got {len(vectors)} fragments, the plan has {self.plan.num_fragments}")
-    leaves = {}
-    for p, vec in enumerate(vectors):
-      leaves.update(fragments_lib.scatter(self.plan, p, np.asarray(vec, np.float32)))
-    return fragments_lib.replace_leaves(self.abstract_params, leaves)
+    return fragments_lib.assemble(self.plan, [np.asarray(v, np.float32) for v in vectors], self.abstract_params)
 
   def loss(self, params: Any) -> float:
     """Mean eval loss of `params` (host arrays, or arrays already on this mesh)."""

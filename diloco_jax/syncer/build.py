@@ -33,7 +33,4 @@ def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
 
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
   """The syncer's global model as a nested dict of host arrays shaped like `template`."""
-  leaves = {}
-  for p, vec in enumerate(core.global_fragments()):
-    leaves.update(fragments.scatter(plan, p, vec))
-  return fragments.replace_leaves(template, leaves)
+  return fragments.assemble(plan, core.global_fragments(), template)
