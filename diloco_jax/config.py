@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pathlib
 
 import ml_collections
 
@@ -247,3 +249,27 @@ def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:
 
   blob = json.dumps({"run_id": run_id, **{f: get(f) for f in _FINGERPRINT_FIELDS}}, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+CONFIG_FILE = "config.json"
+FINGERPRINT_FILE = "fingerprint.txt"
+
+
+def save_resolved(c: ml_collections.ConfigDict, workdir: str | os.PathLike, run_id: str = "") -> pathlib.Path:
+  """Writes the config as this process runs it (after every override) to `<workdir>/config.json`, and its
+  run fingerprint to `<workdir>/fingerprint.txt` beside it; returns the config file's path. Both are
+  replaced atomically (a run resumed with other overrides records the ones it resumed with)."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  files = {CONFIG_FILE: c.to_json_best_effort(indent=2, sort_keys=True) + "\n",
+           FINGERPRINT_FILE: f"{fingerprint(c, run_id)}\n"}
+  for name, text in files.items():
+    tmp = workdir / f"{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(workdir / name)
+  return workdir / CONFIG_FILE
+
+
+def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+  """The config a run saved with `save_resolved` (its fingerprint matches the saved one)."""
+  return ml_collections.ConfigDict(json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -189,6 +189,17 @@ def scatter(plan: FragmentPlan, p: int, vec: np.ndarray) -> dict[str, np.ndarray
     out[path] = vec[start:start + n].reshape(shape)
     start += n
   return out
+
+
+def assemble(plan: FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
+  """The parameters held by the P fragment `vectors` (the inverse of gathering every fragment), as a
+  nested dict shaped like `template` (arrays or abstract shapes: every leaf is replaced)."""
+  if len(vectors) != plan.num_fragments:
+    raise ValueError(f"got {len(vectors)} fragment vectors, the plan has {plan.num_fragments} fragments")
+  leaves = {}
+  for p, vec in enumerate(vectors):
+    leaves.update(scatter(plan, p, vec))
+  return replace_leaves(template, leaves)
 
 
 def replace_leaves(params: Any, updates: Mapping[str, Any]) -> Any:

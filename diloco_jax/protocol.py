@@ -30,6 +30,9 @@ REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "
 REJOIN_REASONS = ("not_member", "unknown_learner")
 
 TOKEN_ENV = "DILOCO_TOKEN"
+# The id an observer (the global-model evaluator, `status`) uses on its calls: it pulls and asks for the
+# status without ever joining, so it is no member and never counts toward a quorum.
+OBSERVER_ID = -1
 REASON_METADATA_KEY = "diloco-reason"  # gRPC trailing metadata: the machine-readable reason of a refusal
 
 
@@ -170,7 +173,8 @@ class Transport(Protocol):
     is a delta from it when the syncer can serve one, else the full fragment."""
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:
@@ -197,7 +201,8 @@ class SyncerAPI(Protocol):
            have_epoch: int = 0) -> Published | None:
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:

@@ -107,17 +107,25 @@ class MeshTrainer:
   def evaluate(self, params=None) -> float:
     """Mean loss over the held-out eval batches (the same batches every time, in every replica)."""
     if self._eval_batches is None:
-      # The same eval set for every replica, whatever its train batch: data.global_batch sequences a batch.
-      host = data_lib.eval_batches(self.config.data, batch_size=self.config.data.global_batch,
-                                   num_batches=self.config.data.eval_batches)
-      self._eval_batches = [inner.put_batch(b["tokens"], self.mesh) for b in host]
-    params = self.state.params if params is None else params
-    losses = [self.eval_fn(params, b) for b in self._eval_batches]
-    return float(np.mean(jax.device_get(losses)))
+      self._eval_batches = eval_set(self.config, self.mesh)
+    return mean_loss(self.eval_fn, self.state.params if params is None else params, self._eval_batches)
 
   def close(self) -> None:
     if self.checkpointer is not None:
       self.checkpointer.close()
+
+
+def eval_set(config, mesh) -> list[jax.Array]:
+  """The run's shared eval set on `mesh`: `data.eval_batches` batches of `data.global_batch` sequences,
+  the same for every replica and evaluator whatever its train batch, so their eval losses compare."""
+  host = data_lib.eval_batches(config.data, batch_size=config.data.global_batch,
+                               num_batches=config.data.eval_batches)
+  return [inner.put_batch(b["tokens"], mesh) for b in host]
+
+
+def mean_loss(eval_fn, params, batches: Sequence[jax.Array]) -> float:
+  """Mean of `eval_fn(params, batch)` over `batches` (one host sync at the end)."""
+  return float(np.mean(jax.device_get([eval_fn(params, b) for b in batches])))
 
 
 class RateMeter:

@@ -153,6 +153,12 @@ class ProcessRun:
                                        "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
                                        "--token-file", str(self.token_file)])
 
+  def evaluator(self) -> subprocess.Popen:
+    """The global model's evaluator process, in tmp/global."""
+    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+                                    "--workdir", str(self.tmp / "global"), "--token-file", str(self.token_file),
+                                    "--poll-s", "0.2"])
+
   def status(self) -> dict:
     with GrpcTransport(f"127.0.0.1:{self.port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:
       return t.status()

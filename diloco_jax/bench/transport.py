@@ -86,7 +86,7 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s):
+  def heartbeat(self, learner_id, step_time_s, step=None):
     pass
 
   def push(self, push):

@@ -52,6 +52,7 @@ class Comms:
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
     self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
+    self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
     self.rejected: list[str] = []
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
@@ -62,9 +63,17 @@ class Comms:
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
 
-  def report_step_time(self, seconds: float) -> None:
-    """The inner loop's latest step time; its running average feeds the syncer's grace window."""
+  def report_step_time(self, seconds: float, step: int | None = None) -> None:
+    """The inner loop's latest step time (its running average feeds the syncer's grace window and goodput
+    estimate) and, if given, its step count (the next heartbeat reports it). The first step a process
+    reports with its count is left out of the average: it compiled, and would weigh on it for dozens of
+    steps."""
     with self._lock:
+      warmup = step is not None and self._step is None
+      if step is not None:
+        self._step = int(step)
+      if warmup:
+        return
       s = self._step_time_s
       self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
 
@@ -171,7 +180,9 @@ class Comms:
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
       try:
-        self.transport.heartbeat(self.learner_id, self.step_time_s)
+        with self._lock:
+          step = self._step
+        self.transport.heartbeat(self.learner_id, self.step_time_s, step=step)
       except Rejected as e:
         if e.reason in REJOIN_REASONS:
           try:

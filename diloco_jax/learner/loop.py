@@ -230,7 +230,7 @@ class Learner:
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    self.comms.report_step_time(elapsed)
+    self.comms.report_step_time(elapsed, self.trainer.step)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
@@ -259,7 +259,7 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
   eval_loss = trainer_lib.run_loop(
       trainer, learner.log, steps=config.train.steps, step_fn=learner.train_step,
       record_fields=lambda: {"learner": learner.learner_id, "blocked_s": learner.stats.blocked_s,
-                             "versions": list(learner.base_version)},
+                             "versions": list(learner.base_version), "comm_bytes": _wire_bytes(learner)},
       on_step=on_step, should_stop=should_stop, checkpoint_meta={"learner": learner.learner_id})
   learner.flush()
   trainer.save({"learner": learner.learner_id})
@@ -270,5 +270,11 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
       "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
       "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
       "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
-      "local_eval_loss": eval_loss,
+      "local_eval_loss": eval_loss, "params": trainer.num_params,
   }
+
+
+def _wire_bytes(learner: Learner) -> int:
+  """Bytes this learner has moved on the wire so far, both ways (its transport's count)."""
+  traffic = learner.comms.traffic()
+  return traffic["bytes_sent"] + traffic["bytes_received"]

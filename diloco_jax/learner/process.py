@@ -22,8 +22,9 @@ is unreachable, so learners may start before the syncer, and survive its restart
   `train.checkpoint_every` steps and at the end) and rejoins: the learner pulls every current global
   fragment before its first step.
 
-Output in `--workdir`: `checkpoints/`, `metrics.jsonl`, and `summary.json` (run_learner's summary plus the
-process's wall time, payload byte counts and retries). Progress lines go to stderr.
+Output in `--workdir`: `checkpoints/`, `metrics.jsonl` and TensorBoard event files, `config.json` (the
+resolved config; its fingerprint beside it), and `summary.json` (run_learner's summary plus the process's
+wall time, payload byte counts and retries). Progress lines go to stderr.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
   fingerprint = config_lib.fingerprint(config, run_id)
   transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {}))
-  metrics_log = metrics_lib.MetricsLog(workdir)
+  config_lib.save_resolved(config, workdir, run_id)
+  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.LEARNER_TAGS)
   learner = loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir,
                              metrics_log=metrics_log)
   start_step = learner.trainer.step

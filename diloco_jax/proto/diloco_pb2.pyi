@@ -132,14 +132,16 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "step_time_s")
+    __slots__ = ("learner_id", "fingerprint", "step_time_s", "step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     step_time_s: float
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    step: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()

@@ -10,6 +10,8 @@ Membership. A learner joins with the run's fingerprint (another fingerprint is r
 of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
 not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
 until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
+and read the status without joining, and a join with one is refused, so an observer is never a member.
 
 Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
@@ -70,6 +72,7 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  num_learners: int = 0  # learners provisioned for the run (the goodput estimate's denominator); 0: unknown
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -109,6 +112,7 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        num_learners=int(config.learners.num),
     )
 
 
@@ -118,6 +122,12 @@ class _Member:
   step_time_s: float = 0.0
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
+  step: int | None = None  # the learner's inner step, as its last heartbeat reported it
+  step_at: float | None = None  # clock time of that heartbeat
+  last_push: float | None = None  # clock time of its last accepted push
+  # Inner steps of its contributions merged since this syncer started, summed over fragments (each
+  # fragment's contributions count the same steps: `status` divides by P).
+  steps_merged: int = 0
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -138,6 +148,7 @@ class _Round:
   opened: float
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
+  quorum_at: float | None = None  # when the quorum was reached (the grace window runs from here)
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -192,6 +203,10 @@ class SyncerCore:
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
     self.counters = _new_counters()
+    # Since this core started (not checkpointed; `status` reports them): rounds closed, their distinct
+    # contributors and their grace waits (quorum to close), summed.
+    self._started = clock()
+    self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
                               epoch=new_epoch())
 
@@ -210,13 +225,19 @@ class SyncerCore:
   def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
     """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
     with self._lock:
+      if learner_id < 0:  # protocol.OBSERVER_ID and the like: observers pull without ever being members
+        raise Rejected("unknown_learner", f"learner id {learner_id} is an observer's: observers never join")
       if fingerprint != self.settings.fingerprint:
         raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
                        f"syncer serves {self.settings.fingerprint!r} (different run or config)")
       now = self.clock()
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
-                                          step_time_s=old.step_time_s if old else 0.0)
+                                          step_time_s=old.step_time_s if old else 0.0,
+                                          step=old.step if old else None,
+                                          step_at=old.step_at if old else None,
+                                          last_push=old.last_push if old else None,
+                                          steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
       return dict(enumerate(self._versions))
 
@@ -229,8 +250,9 @@ class SyncerCore:
         self.counters["leaves"] += 1
       self._tick_locked()
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate;
+    `step` (its inner step, if it says) is shown by `status`."""
     with self._lock:
       member = self._members.get(learner_id)
       if member is None:
@@ -241,6 +263,8 @@ class SyncerCore:
       member.expiry_counted = False
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
+      if step is not None:
+        member.step, member.step_at = int(step), self.clock()
       self._tick_locked()
 
   def live_learners(self) -> list[int]:
@@ -311,6 +335,7 @@ class SyncerCore:
                                                        push.tokens, delta, now))
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
+      self._members[push.learner_id].last_push = now
       receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late)
       self._tick_locked()
       return receipt
@@ -344,6 +369,7 @@ class SyncerCore:
           grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
                                  self._t_sync[p])
           rnd.deadline = quorum_at + grace
+          rnd.quorum_at = quorum_at
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or live <= set(contributors):
@@ -376,6 +402,12 @@ class SyncerCore:
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+    self._since_start["rounds"] += 1
+    self._since_start["contributors"] += len(rnd.contributors())
+    self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
+    for c in cs:
+      if c.learner_id in self._members:
+        self._members[c.learner_id].steps_merged += c.steps
 
   def global_fragments(self) -> list[np.ndarray]:
     """Copies of the global fragments Theta (what the run trains)."""
@@ -439,15 +471,32 @@ class SyncerCore:
   # ---- introspection and checkpoints ----
 
   def status(self) -> dict:
-    """Members, versions, open rounds and counters, as plain JSON-able values."""
+    """Members, versions, open rounds and counters, as plain JSON-able values.
+
+    `since_start`: rounds closed since this core started, with their distinct contributors and grace waits
+    (quorum to close) summed. `goodput_estimate`: the syncer's view of goodput since it started, sum over members of (steps
+    merged / P) x step time, over (learners provisioned x uptime): compute whose tokens reached the
+    global model, as a fraction of the time the run held its learners (start-up and compile time,
+    blocked waits, dead time and work not merged count as lost).
+    """
     with self._lock:
       now = self.clock()
+      uptime = now - self._started
+      provisioned = max(self.settings.num_learners, len(self._members)) * uptime
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
       return {
           "fingerprint": self.settings.fingerprint,
           "epoch": self.epoch,
+          "uptime_s": uptime,
+          "since_start": dict(self._since_start),
+          "num_learners": self.settings.num_learners,
+          "goodput_estimate": useful / provisioned if provisioned > 0 else 0.0,
           "live": self._live(now),
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
-                               "lease_left_s": max(m.lease_until - now, 0.0)}
+                               "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
+                               "step_ago_s": None if m.step_at is None else now - m.step_at,
+                               "last_push_ago_s": None if m.last_push is None else now - m.last_push,
+                               "steps_merged": m.steps_merged / self.settings.num_fragments}
                       for i, m in sorted(self._members.items())},
           "versions": list(self._versions),
           "rounds": list(self._rounds),

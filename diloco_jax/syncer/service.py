@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit
+_MAX_STEP = 1 << 53  # a reported inner step beyond this is garbage (and would lose precision as JSON)
 
 # The core's rejection reasons, by status code. FAILED_PRECONDITION: the learner must (re)join first;
 # PERMISSION_DENIED: it belongs to another run; INVALID_ARGUMENT: the contribution itself is malformed.
@@ -164,7 +165,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     step_time = float(request.step_time_s)
     if not (step_time >= 0 and step_time < float("inf")):  # also refuses NaN
       raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"step_time_s must be finite and >= 0, got {step_time}")
-    self.core.heartbeat(request.learner_id, step_time)
+    step = request.step if request.HasField("step") else None
+    if step is not None and not 0 <= step < _MAX_STEP:
+      raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"step must be in [0, {_MAX_STEP}), got {step}")
+    self.core.heartbeat(request.learner_id, step_time, step=step)
     return pb.HeartbeatResponse()
 
   @_rpc

@@ -217,10 +217,12 @@ class GrpcTransport:
 
     self._call("leave", attempt)
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the lease, reporting the recent inner-step time."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease, reporting the recent inner-step time (and the inner step, if given)."""
     request = pb.HeartbeatRequest(learner_id=learner_id, fingerprint=self.fingerprint or "",
                                   step_time_s=float(step_time_s))
+    if step is not None:
+      request.step = int(step)
 
     def attempt(timeout):
       self._out(request, True)
