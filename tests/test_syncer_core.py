@@ -148,7 +148,10 @@ def _bad_pushes():
   nan[3], inf[5] = np.nan, -np.inf
   p = make_push(0, good)
   return [
-      ("unknown_learner", make_push(99, good)),
+      ("unknown_learner", make_push(5, good)),  # a learner of the run that never joined
+      ("learner_id", make_push(99, good)),  # not a learner of the run at all
+      ("learner_id", make_push(-1, good)),
+      ("learner_id", make_push(2**31 - 1, good)),
       ("fingerprint", make_push(0, good, fingerprint="other-run")),
       ("unknown_fragment", make_push(0, good, fragment=7)),
       ("unknown_fragment", make_push(0, good, fragment=-1)),
@@ -246,7 +249,7 @@ def test_state_dict_roundtrip():
       for i in range(2):
         c.push(make_push(i, rng.standard_normal(n), fragment=p, base_version=v))
   with pytest.raises(Rejected):
-    c.push(make_push(9, np.ones(8)))
+    c.push(make_push(5, np.ones(8)))
   state = c.state_dict()
   assert state["versions"] == [3, 3] and state["rounds"] == [3, 3]
   fresh, _ = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
@@ -272,7 +275,7 @@ def test_pull_waits_and_times_out():
 def test_in_process_transport_two_threads():
   settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
                                      block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
-                                     fingerprint=FP)
+                                     fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
   results, errors = {}, []
   barrier = threading.Barrier(2)
@@ -317,7 +320,7 @@ def test_in_process_transport_two_threads():
 
 def test_ticker_closes_rounds_without_other_calls():
   settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP)
+      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
