@@ -62,6 +62,7 @@ _REASON_CODES = {
     "not_member": grpc.StatusCode.FAILED_PRECONDITION,
     "future_version": grpc.StatusCode.FAILED_PRECONDITION,
     "fingerprint": grpc.StatusCode.PERMISSION_DENIED,
+    "learner_id": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -137,11 +138,16 @@ def _rpc(response_type=None):
         code, message, reason = status_code_for(e.reason), f"rejected ({e.reason}): {e.message}", e.reason
       except Exception as e:  # a bug or an unexpected input: answer it, log it, keep serving
         if not context.is_active():
-          self._count("client_gone")
-          return iter(()) if response_type is None else response_type()  # nobody to answer
-        log.exception("%s failed", name)
-        code, reason = grpc.StatusCode.INTERNAL, "internal"
-        message = f"{name} failed: {type(e).__name__}: {shorten(str(e), 200)}"
+          code, message, reason = grpc.StatusCode.CANCELLED, "", "cancelled"
+        else:
+          log.exception("%s failed", name)
+          code, reason = grpc.StatusCode.INTERNAL, "internal"
+          message = f"{name} failed: {type(e).__name__}: {shorten(str(e), 200)}"
+      if not context.is_active():
+        # The client went away (or the stream watch cut it): nobody to answer, nothing worth a traceback.
+        self._count("client_gone")
+        log.debug("%s: client gone (%s %s)", name, code.name, message)
+        return iter(()) if response_type is None else response_type()
       self._count(f"refused_{code.name.lower()}")
       log.log(logging.DEBUG if reason in _QUIET_REASONS else logging.INFO, "%s refused: %s %s", name,
               code.name, message)
