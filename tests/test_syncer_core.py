@@ -334,6 +334,36 @@ def test_ticker_closes_rounds_without_other_calls():
   assert core.status()["versions"] == [1]
 
 
+def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+      min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
+  core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
+  core.join(0, FP)
+  core.join(1, FP)
+  real_tick, failures = core.tick, [5]
+
+  def flaky_tick():
+    if failures[0] > 0:
+      failures[0] -= 1
+      raise RuntimeError("a bug in tick")
+    return real_tick()
+
+  core.tick = flaky_tick
+  with caplog.at_level("ERROR", logger="diloco_jax.syncer.ticker"):
+    with Ticker(core, period_s=0.01) as ticker:
+      payload = codec.encode(np.ones(4, np.float32), "fp32")
+      core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+      give_up = time.monotonic() + 10.0
+      while core.status()["versions"] == [0] and time.monotonic() < give_up:
+        time.sleep(0.01)
+      assert ticker.alive
+  # The deadline-driven close still happened (nothing else ticks here), after five failed ticks.
+  assert core.status()["versions"] == [1]
+  assert core.status()["counters"]["tick_errors"] == 5
+  tracebacks = [r for r in caplog.records if r.exc_info]
+  assert len(tracebacks) == 1 and "a bug in tick" in caplog.text  # logged, at most once a minute
+
+
 def test_settings_from_config_and_status_is_json():
   cfg = config_lib.base_config()
   cfg.outer.min_quorum, cfg.outer.codec, cfg.outer.merge = 2, "int8", "tokens_sq_per_step"
