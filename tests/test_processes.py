@@ -216,3 +216,21 @@ def test_launcher_sigint_stops_every_child(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
+
+
+@pytest.mark.slow
+def test_shipped_tiny_run_over_grpc_refuses_nothing(tmp_path):
+  # The shipped tiny_cpu config with the launcher's defaults: the service's limits (rates, slots, stream
+  # watch) and the core's merge safety leave every legitimate call and push alone.
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", "--config", "configs/tiny_cpu.py", "--learners", "2",
+          "--workdir", str(workdir), "--eval=false"]
+  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  counters, server = summary["syncer"]["counters"], summary["syncer"]["server"]
+  assert counters["contributions_rejected"] == 0 and counters["rounds_refused"] == 0
+  assert counters["pushes_duplicate"] == 0 and counters["tick_errors"] == 0
+  assert not [k for k in server if k.startswith("refused_")] and "streams_cut" not in server
+  assert summary["tokens_merged"] == summary["tokens"]
