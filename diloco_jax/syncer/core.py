@@ -295,10 +295,17 @@ class SyncerCore:
     self.counters["rejected"][reason] += 1
     return Rejected(reason, message)
 
+  def _id_problem(self, learner_id) -> str | None:
+    """Why `learner_id` is not one of this run's learners, or None if it is."""
+    if isinstance(learner_id, int) and 0 <= learner_id < self.settings.num_learners:
+      return None
+    return (f"learner id {shorten(learner_id)} is not one of this run's learners "
+            f"[0, learners.num={self.settings.num_learners})")
+
   def _check_id_locked(self, learner_id) -> None:
-    if not (isinstance(learner_id, int) and 0 <= learner_id < self.settings.num_learners):
-      raise self._refuse("learner_id", f"learner id {shorten(learner_id)} is not one of this run's "
-                         f"learners [0, learners.num={self.settings.num_learners})")
+    problem = self._id_problem(learner_id)
+    if problem:
+      raise self._refuse("learner_id", problem)
 
   def check_learner_id(self, learner_id: int) -> None:
     """Raise Rejected("learner_id") unless 0 <= learner_id < learners.num."""
@@ -363,9 +370,9 @@ class SyncerCore:
 
   def _check_sender_locked(self, push: Push) -> None:
     """Who sent it: a learner of this run (checked before anything else, duplicates included)."""
-    if not (isinstance(push.learner_id, int) and 0 <= push.learner_id < self.settings.num_learners):
-      raise self._reject("learner_id", f"learner id {shorten(push.learner_id)} is not one of this run's "
-                         f"learners [0, learners.num={self.settings.num_learners})")
+    problem = self._id_problem(push.learner_id)
+    if problem:
+      raise self._reject("learner_id", problem)
     if push.fingerprint != self.settings.fingerprint:
       raise self._reject("fingerprint", f"push fingerprint {shorten(push.fingerprint)} != run "
                          f"{self.settings.fingerprint!r}")
