@@ -99,6 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.max_grace_s = 5.0
   c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+  c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
@@ -108,6 +109,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
+  c.comms.shutdown_grace_s = 30.0  # after SIGTERM/SIGINT the final flush gets this long, then it is abandoned
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -116,6 +118,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
   c.syncer.rate_limit_burst = 200.0
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.stream_stall_s = 10.0  # a Push or Pull stream that moves no payload bytes this long is cut
+  c.syncer.stream_deadline_s = 600.0  # no Push or Pull stream lasts longer (long-poll wait excluded)
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
   c.syncer.keep_checkpoints = 3
   c.syncer.shutdown_grace_s = 2.0  # in-flight calls get this long after SIGTERM/SIGINT
@@ -217,6 +221,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:
       _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+    if not o.max_norm_ratio >= 0:
+      _fail("outer.max_norm_ratio", f"must be >= 0 (0 = off), got {o.max_norm_ratio}")
+    if not c.comms.shutdown_grace_s >= 0:
+      _fail("comms.shutdown_grace_s", f"must be >= 0, got {c.comms.shutdown_grace_s}")
+    for field in ("stream_stall_s", "stream_deadline_s"):
+      if not c.syncer[field] > 0:
+        _fail(f"syncer.{field}", f"must be > 0, got {c.syncer[field]}")
   if num_devices is not None:
     want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
     field = "learners.devices" if learners else "mesh.num_devices"

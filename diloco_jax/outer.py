@@ -144,6 +144,11 @@ def outer_step(
   return np.array(new_params, np.float32), new_state
 
 
+def all_finite(tree: Any) -> bool:
+  """Whether every leaf of `tree` (numpy or jax arrays, scalars) holds only finite values."""
+  return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
+
+
 def state_to_numpy(opt_state: Any) -> Any:
   """The optimizer state with every array copied to a numpy array (for checkpoints)."""
   return jax.tree.map(lambda x: np.array(x), opt_state)

@@ -48,8 +48,9 @@ def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str
               **settings) -> SyncerCore:
   """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
   "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
-  staleness_beta, ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
+  staleness_beta, num_learners (default 8), ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
   policy_fields = {f: settings.pop(f) for f in ("gamma", "tau", "min_grace_s") if f in settings}
+  settings.setdefault("num_learners", 8)
   s = SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec, downlink_codec=downlink,
                      block=block, outer_lr=lr, outer_momentum=momentum, fingerprint=fingerprint,
                      policy=QuorumPolicy(min_quorum=k, max_grace_s=max_grace_s, **policy_fields), **settings)

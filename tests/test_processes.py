@@ -151,6 +151,37 @@ def test_syncer_killed_and_restarted_from_checkpoint(tmp_path):
   assert status["counters"]["joins"] >= 2  # the rejoins after the restart (counters come from the checkpoint)
 
 
+def test_sigterm_ends_a_learner_stuck_on_a_dead_syncer_with_its_checkpoint(tmp_path):
+  # The syncer dies (kill -9) and stays dead: the learner's syncs can never complete, and its flush would
+  # retry for comms.unreachable_deadline_s (120 s here). SIGTERM ends it within comms.shutdown_grace_s
+  # (plus teardown), exit 0, with a checkpoint of the step it reached.
+  grace = 3.0
+  run = Run(tmp_path, overrides(steps=5000, **{"comms.shutdown_grace_s": grace}))
+  try:
+    syncer = run.syncer()
+    learner = run.learner(0)
+    wait_for(lambda: run.step(0) >= 12, "learner 0 to train and sync a few times")
+    syncer.send_signal(signal.SIGKILL)
+    syncer.wait()
+    time.sleep(1.0)  # it trains on until a sync it waits for never comes
+    start = time.monotonic()
+    learner.send_signal(signal.SIGTERM)
+    try:
+      rc = learner.wait(90)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"learner still running 90 s after SIGTERM:\n{run.log('learner_0')}")
+    took = time.monotonic() - start
+  finally:
+    run.kill_all()
+  assert rc == 0, run.log("learner_0")
+  assert took < grace + 60, took  # well under the 120 s of retries it would otherwise sit through
+  s = run.summary(0)
+  assert s["stopped_by_signal"] and s["flush_abandoned"] and not s["completed"]
+  steps = sorted(int(p.name) for p in (tmp_path / "learner_0" / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] == s["steps"] >= 12
+  assert "abandoning the syncs in flight" in run.log("learner_0")
+
+
 def _children(pid: int) -> list[psutil.Process]:
   try:
     return psutil.Process(pid).children(recursive=True)
@@ -234,3 +265,21 @@ def test_launcher_sigint_stops_every_child(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
+
+
+@pytest.mark.slow
+def test_shipped_tiny_run_over_grpc_refuses_nothing(tmp_path):
+  # The shipped tiny_cpu config with the launcher's defaults: the service's limits (rates, slots, stream
+  # watch) and the core's merge safety leave every legitimate call and push alone.
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", "--config", "configs/tiny_cpu.py", "--learners", "2",
+          "--workdir", str(workdir), "--eval=false"]
+  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  counters, server = summary["syncer"]["counters"], summary["syncer"]["server"]
+  assert counters["contributions_rejected"] == 0 and counters["rounds_refused"] == 0
+  assert counters["pushes_duplicate"] == 0 and counters["tick_errors"] == 0
+  assert not [k for k in server if k.startswith("refused_")] and "streams_cut" not in server
+  assert summary["tokens_merged"] == summary["tokens"]

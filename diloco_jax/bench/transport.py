@@ -104,6 +104,9 @@ class _BenchCore:
   def max_payload_bytes(self) -> int:
     return self._max_payload
 
+  def check_learner_id(self, learner_id) -> None:
+    pass
+
 
 def _raw_server(sock: socket.socket, size: int):
   """Raw TCP: b'P'+u64 n: read n bytes, answer one byte. b'G'+u64 n: send n bytes."""

@@ -8,13 +8,18 @@ Fetches say which version's reference the learner holds (`have_version`, its bas
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
 (see `syncer/core.py`, "Downlink" and "Epochs").
+
+Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
+start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import secrets
 import threading
 
 import numpy as np
@@ -54,6 +59,8 @@ class Comms:
     self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
     self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
     self.rejected: list[str] = []
+    self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
+    self._sequence = itertools.count(1)
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
@@ -143,9 +150,11 @@ class Comms:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
+    with self._lock:
+      sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload))
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence)
     del vec
     try:
       receipt = self._push(push)
@@ -191,6 +200,11 @@ class Comms:
             log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
+
+  def abandon(self) -> None:
+    """Stop waiting for syncs in flight: their fetch loops end with an error (the caller closes the
+    transport to end calls on the wire too). For a shutdown whose grace ran out."""
+    self._stop.set()
 
   def close(self, leave: bool = True) -> None:
     self._pool.shutdown(wait=True)

@@ -263,12 +263,17 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
       on_step=on_step, should_stop=should_stop, checkpoint_meta={"learner": learner.learner_id})
   learner.flush()
   trainer.save({"learner": learner.learner_id})
-  wall = time.perf_counter() - t0
+  return learner_summary(learner, time.perf_counter() - t0, eval_loss)
+
+
+def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) -> dict:
+  """What `run_learner` returns: steps, tokens, time, syncs, traffic and the local eval loss."""
+  stats, trainer = learner.stats, learner.trainer
   return {
-      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall,
-      "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
-      "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
-      "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
+      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall_s,
+      "blocked_s": stats.blocked_s, "compute_s": stats.compute_s,
+      "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
+      "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
       "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
       "local_eval_loss": eval_loss, "params": trainer.num_params,
   }

@@ -16,8 +16,12 @@ is unreachable, so learners may start before the syncer, and survive its restart
 * The config (with its `--config.x=y` overrides) and `--run-id` must be the syncer's: both enter the run
   fingerprint, and a learner with another one is refused at Join.
 * SIGTERM or SIGINT: finish the current step, flush (push every fragment's pending work and adopt the
-  merged results), checkpoint, leave the quorum, write the summary, exit 0. A second signal exits at once
-  (status 1) and keeps the last checkpoint.
+  merged results), checkpoint, leave the quorum, write the summary, exit 0. All of it within
+  `comms.shutdown_grace_s` of the signal: a learner still waiting on the network then (a dead or
+  unreachable syncer, a round that does not close) abandons its syncs in flight, closes its connection,
+  checkpoints its current state and exits 0 (its summary says `"flush_abandoned": true`; the work of
+  the abandoned syncs is not in the global model). A second signal exits at once (status 1) and keeps
+  the last checkpoint.
 * Restarting with the same `--learner-id` and `--workdir` resumes from the learner's checkpoint (every
   `train.checkpoint_every` steps and at the end) and rejoins: the learner pulls every current global
   fragment before its first step.
@@ -33,7 +37,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from typing import Callable
 
 import jax
 from absl import flags
@@ -49,12 +55,13 @@ EXIT_FAILED = 1
 
 
 class StopSignals:
-  """SIGTERM/SIGINT set `stop`; the training loop polls it between steps. A second signal exits at once
-  (the training thread may be blocked on the network, e.g. flushing to a dead syncer)."""
+  """SIGTERM/SIGINT set `stop`; the training loop polls it between steps. `on_first()` runs at the first
+  signal (it arms the shutdown watchdog). A second signal exits at once."""
 
-  def __init__(self):
+  def __init__(self, on_first: Callable[[], None] = lambda: None):
     self.received: list[int] = []
     self._previous = {}
+    self._on_first = on_first
 
   def __enter__(self):
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -68,6 +75,7 @@ class StopSignals:
       print(f"learner: second signal {signum}: exiting without a final checkpoint", file=sys.stderr, flush=True)
       os._exit(EXIT_FAILED)
     print(f"learner: signal {signum}: stopping after this step", file=sys.stderr, flush=True)
+    self._on_first()
 
   def __call__(self) -> bool:
     return bool(self.received)
@@ -75,6 +83,32 @@ class StopSignals:
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+class ShutdownWatchdog:
+  """Once armed (at the first stop signal), calls `abandon()` if the learner has not finished within
+  `grace_s`: the waits on the network that held it then end with an error."""
+
+  def __init__(self, grace_s: float, abandon: Callable[[], None]):
+    self.grace_s, self._abandon = grace_s, abandon
+    self.fired = threading.Event()
+    self._timer: threading.Timer | None = None
+
+  def arm(self) -> None:
+    if self._timer is None:
+      self._timer = threading.Timer(self.grace_s, self._fire)
+      self._timer.daemon = True
+      self._timer.start()
+
+  def _fire(self) -> None:
+    print(f"learner: still waiting on the syncer {self.grace_s:g}s after the stop signal "
+          "(comms.shutdown_grace_s): abandoning the syncs in flight", file=sys.stderr, flush=True)
+    self.fired.set()
+    self._abandon()
+
+  def disarm(self) -> None:
+    if self._timer is not None:
+      self._timer.cancel()
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -121,21 +155,39 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
                                                 desc=f"learner {learner_id}")
   summary = None
+
+  def abandon():
+    learner.comms.abandon()
+    transport.close()  # ends calls in flight and retry waits at once
+
+  watchdog = ShutdownWatchdog(float(config.comms.shutdown_grace_s), abandon)
+  abandoned = False
   try:
-    with StopSignals() as stop:
-      summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
-                                     should_stop=stop)
+    with StopSignals(on_first=watchdog.arm) as stop:
+      try:
+        summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
+                                       should_stop=stop)
+      except Exception:
+        if not watchdog.fired.is_set():
+          raise
+        # The grace ran out while the learner waited on the network: keep what it has.
+        abandoned = True
+        learner.trainer.save({"learner": learner_id})
+        summary = loop_lib.learner_summary(learner, time.perf_counter() - t0, None)
+      finally:
+        watchdog.disarm()
     stopped = bool(stop.received)
   finally:
     if bar is not None:
       bar.close()
     # Leave only after a clean finish: a crashed learner keeps its membership until its lease lapses.
-    learner.close(leave=summary is not None)
+    learner.close(leave=summary is not None and not abandoned)
     transport.close()
     metrics_log.close()
   summary.update({
       "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
-      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps,
+      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps and not abandoned,
+      "flush_abandoned": abandoned,
       "retries": transport.retries, "fingerprint": fingerprint, "devices": k,
   })
   metrics_lib.write_summary(workdir, summary)

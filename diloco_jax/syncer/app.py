@@ -32,7 +32,7 @@ from diloco_jax.syncer.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.monitor import SyncerMonitor
-from diloco_jax.syncer.service import Limits, serve
+from diloco_jax.syncer.service import Limits, serve, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tls-client-ca", None, "PEM CA: require client certificates it signed (mutual TLS)",
                       flag_values=fv)
   flags.DEFINE_bool("allow-remote", False, "permit binding a non-loopback address", flag_values=fv)
-  flags.DEFINE_integer("max-workers", 32, "RPC worker threads", flag_values=fv)
+  flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
+                       flag_values=fv)
   flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
 
 
@@ -139,7 +140,7 @@ def main(argv) -> int:
 
   ticker = Ticker(core)
   handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
-                 fingerprint=fingerprint, max_workers=fv["max-workers"].value,
+                 fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
   metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)

@@ -3,11 +3,16 @@
 It implements `protocol.Transport`, like `transports/inprocess.py`, so the learner's background worker
 does not know which one it holds. Calls block; the worker calls them, never the inner loop.
 
-* Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone) a call is retried
-  with exponential backoff and jitter, and fails with `SyncerUnreachable` only after `unreachable_deadline_s`
-  (a syncer restart from a checkpoint takes seconds to minutes; learners keep training meanwhile). Other
-  failures are not retried: a refusal by the core is re-raised as the core's `Rejected` with the same reason,
-  a bad token as `AuthError`.
+* Retries: while the syncer is unreachable or busy a call is retried with exponential backoff and jitter,
+  and fails with `SyncerUnreachable` only after `unreachable_deadline_s` (a syncer restart from a
+  checkpoint takes seconds to minutes; learners keep training meanwhile). Retried: UNAVAILABLE (down,
+  restarting, network gone), RESOURCE_EXHAUSTED (rate limit, long-call slots full; not an oversize
+  payload), DEADLINE_EXCEEDED (an attempt that took longer than `call_timeout_s`) and CANCELLED (a stream
+  the syncer cut, or a syncer stopping) unless this client was closed. Every call may be repeated: pushes
+  carry an idempotency key, so a retried push is merged once. Other failures are not retried: a refusal
+  by the core is re-raised as the core's `Rejected` with the same reason, a bad token as `AuthError`.
+* `close()` ends the calls in flight and any retry wait at once (they raise `SyncerUnreachable`): a
+  learner shutting down is never held by the network.
 * Byte counters: `bytes_sent` / `bytes_received` count every gRPC message of every call, exactly as
   `msg.ByteSize() + 5` (the serialized protobuf plus gRPC's 5-byte length-prefix frame header). Not counted:
   HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed call
@@ -29,7 +34,7 @@ from typing import Callable, Iterator
 import grpc
 
 from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
-from diloco_jax.protocol import Reassembler, Rejected, chunks
+from diloco_jax.protocol import Reassembler, Rejected, chunks, shorten
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.transports import wan as wan_lib
@@ -56,8 +61,30 @@ class SyncerError(RuntimeError):
     self.code = code
 
 
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED)
+
+
 def _message_bytes(msg) -> int:
   return msg.ByteSize() + GRPC_FRAME_BYTES
+
+
+def _reason(e: grpc.RpcError) -> str | None:
+  """The `diloco-reason` trailing metadata of a failed call, if any."""
+  for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+    if key == REASON_METADATA_KEY:
+      return value
+  return None
+
+
+def _retryable(e: grpc.RpcError) -> bool:
+  code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+  if code not in _RETRIED:
+    return False
+  if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy, yes; a message over a size limit stays over it
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    return _reason(e) != "oversize" and "larger than max" not in details
+  return True
 
 
 class GrpcTransport:
@@ -77,6 +104,7 @@ class GrpcTransport:
     unreachable_deadline_s: keep retrying an unreachable syncer this long before raising.
     backoff_s, max_backoff_s: first and largest retry delay.
     call_timeout_s: deadline of one attempt (a Pull adds its long-poll time).
+    sleep: how to wait between retries (tests); default: a wait that `close()` ends.
   """
 
   def __init__(self, target: str, token: str, learner_id: int, *, fingerprint: str | None = None,
@@ -84,7 +112,7 @@ class GrpcTransport:
                tls_server_name: str | None = None, wan: wan_lib.WanLink | wan_lib.WanSpec | None = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 4 << 20,
                unreachable_deadline_s: float = 300.0, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-               call_timeout_s: float = 120.0, sleep: Callable[[float], None] = time.sleep):
+               call_timeout_s: float = 120.0, sleep: Callable[[float], None] | None = None):
     if not token:
       raise ValueError("GrpcTransport needs the run token")
     if chunk_bytes < 1 or chunk_bytes + 64 > max_message_bytes:
@@ -97,14 +125,18 @@ class GrpcTransport:
     self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
     self.call_timeout_s = call_timeout_s
     self.wan = wan_lib.WanLink(wan) if isinstance(wan, wan_lib.WanSpec) else wan
-    self._sleep = sleep
+    self._closed = threading.Event()
+    self._sleep = sleep or self._closed.wait
     self._metadata = (("authorization", f"Bearer {token}"),)
     self._lock = threading.Lock()
     self._sent = 0
     self._received = 0
     self.retries = 0
     options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+               ("grpc.max_send_message_length", max_message_bytes),
+               # A connection of its own (not shared with other clients of this process): the syncer
+               # tells callers apart by their connection.
+               ("grpc.use_local_subchannel_pool", 1)]
     if tls_ca or tls_cert:
       read = lambda p: pathlib.Path(p).read_bytes() if p else None
       creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
@@ -159,32 +191,33 @@ class GrpcTransport:
   # --- retries and error translation ----------------------------------------------------------------------
 
   def _call(self, name: str, attempt: Callable[[float], object]):
-    """Run `attempt(timeout)`, retrying while the syncer is unreachable; translate failures."""
+    """Run `attempt(timeout)`, retrying while the syncer is unreachable or busy; translate failures."""
     start = time.monotonic()
     delay = self.backoff_s
     while True:
+      if self._closed.is_set():
+        raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed")
       try:
         return attempt(self.call_timeout_s)
       except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-        if code != grpc.StatusCode.UNAVAILABLE:
+        if self._closed.is_set():
+          raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None
+        if not _retryable(e):
           raise self._translate(name, e) from None
+        code = e.code()
         waited = time.monotonic() - start
         if waited + delay > self.unreachable_deadline_s:
-          raise SyncerUnreachable(f"syncer at {self.target} unreachable for {waited:.1f}s ({name}): "
-                                  f"{e.details() if hasattr(e, 'details') else e}") from None
+          raise SyncerUnreachable(f"syncer at {self.target} unreachable or busy for {waited:.1f}s ({name}; "
+                                  f"last: {code.name} {shorten(e.details() or '', 200)})") from None
         with self._lock:
           self.retries += 1
-        log.info("%s: syncer %s unavailable, retrying in %.2fs", name, self.target, delay)
+        log.info("%s: syncer %s answered %s, retrying in %.2fs", name, self.target, code.name, delay)
         self._sleep(delay * random.uniform(0.8, 1.2))
         delay = min(delay * 2, self.max_backoff_s)
 
   def _translate(self, name: str, e: grpc.RpcError) -> Exception:
     code, details = e.code(), e.details() or ""
-    reason = None
-    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-      if key == REASON_METADATA_KEY:
-        reason = value
+    reason = _reason(e)
     if code == grpc.StatusCode.UNAUTHENTICATED:
       return AuthError(f"{name}: syncer refused the run token: {details}")
     if reason in REASONS:
@@ -245,7 +278,8 @@ class GrpcTransport:
     """Send one outer gradient in chunks; returns the syncer's receipt."""
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
-                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
+                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload),
+                           incarnation=push.incarnation, sequence=push.sequence)
 
     def attempt(timeout):
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
@@ -283,7 +317,7 @@ class GrpcTransport:
           pass
         return None
       if h.kind not in ("", "full", "delta"):
-        raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
+        raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {shorten(h.kind)}")
       payload = Reassembler(h.total_size, f"pulled fragment {h.fragment}")
       try:
         for msg in stream:
@@ -300,6 +334,8 @@ class GrpcTransport:
     return self._call("pull", attempt)
 
   def close(self) -> None:
+    """Close the connection: calls in flight and retry waits end at once (`SyncerUnreachable`)."""
+    self._closed.set()
     self._channel.close()
 
   def __enter__(self):
