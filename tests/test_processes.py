@@ -56,7 +56,8 @@ def test_syncer_two_learners_and_the_evaluator_over_grpc(tmp_path):
     assert s["rejected_pushes"] == []
   counters, server = status["counters"], status["server"]
   # The evaluator observed without joining: only the learners were ever members.
-  assert set(status["members"]) == {"0", "1"} and counters["joins"] == 2
+  # Only the two learners ever joined (the evaluator is an observer); a learner that left may be pruned.
+  assert set(status["members"]) <= {"0", "1"} and counters["joins"] == 2
   # It evaluated the initial model, then (on SIGTERM) the final one: lower.
   evals = [json.loads(line) for line in (tmp_path / "global" / "metrics.jsonl").read_text().splitlines()]
   assert len(evals) == 2 and evals[0]["versions"] == [0, 0] and evals[-1]["versions"] == status["versions"]
