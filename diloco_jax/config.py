@@ -70,6 +70,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners = ml_collections.ConfigDict()
   c.learners.num = 4  # M
   c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
+  # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
+  c.learners.peer_timeout_s = 60.0
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -189,6 +191,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:
       _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+    if not c.learners.peer_timeout_s > 0:
+      _fail("learners.peer_timeout_s", f"must be > 0, got {c.learners.peer_timeout_s}")
   if num_devices is not None:
     want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
     field = "learners.devices" if learners else "mesh.num_devices"
