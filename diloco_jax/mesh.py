@@ -3,8 +3,7 @@
 A learner owns a mesh over an explicit list of devices with the named axes ("data", "fsdp", "tensor").
 The baseline builds one mesh over all devices; the Decoupled DiLoCo trainer carves `jax.devices()` into M
 disjoint slices, one per learner. A learner spanning several processes (`jax.distributed`) has one mesh
-over the devices of all its processes; `process_rows` says which rows of a batch this process feeds, and
-`process_mesh` lays the same devices out by process for broadcasts from process 0.
+over the devices of all its processes; `process_rows` says which rows of a batch this process feeds.
 
 Axes are `Auto` (GSPMD propagation): parameters and batches are placed explicitly, and XLA inserts the
 collectives in between; with `Explicit` axes every op of the model would need an output sharding.
@@ -108,15 +107,3 @@ def process_rows(mesh: Mesh, batch_size: int) -> tuple[int, int]:
                      f"block; order the mesh's devices by process")
   return start, stop
 
-
-def process_mesh(devices: Sequence[jax.Device]) -> Mesh:
-  """`devices` laid out as (process, local): a row of devices per process, for broadcasts from one
-  process to the others. Every process must hold the same number of the devices."""
-  by_process: dict[int, list[jax.Device]] = {}
-  for d in devices:
-    by_process.setdefault(d.process_index, []).append(d)
-  counts = {p: len(ds) for p, ds in by_process.items()}
-  if len(set(counts.values())) != 1:
-    raise ValueError(f"every process must hold as many of the learner's devices, got {counts}")
-  rows = [sorted(by_process[p], key=lambda d: d.id) for p in sorted(by_process)]
-  return Mesh(np.asarray(rows, dtype=object), ("process", "local"))

@@ -269,21 +269,25 @@ def local_replica(x: jax.Array) -> jax.Array:
 
 
 class Broadcaster:
-  """Sends a float32 vector from process 0 to every device of the learner's mesh.
+  """Sends a float32 vector from process 0 to every device of a learner's mesh.
 
-  Process 0 passes the vector, the others `None`; every process gets it back replicated on `out_sharding`
-  (the learner mesh). The vector travels as its raw 32-bit patterns in one all-reduce in which the other
-  processes contribute zeros (an integer sum: exact, signed zeros and NaN payloads included).
+  Process 0 passes the vector, the others `None`; every process gets it back replicated on `mesh`. The
+  vector travels as its raw 32-bit patterns in one jitted collective on the learner's own mesh: an input
+  with one row per device (process 0's rows hold the vector, the others' zeros) from which every device
+  takes one of process 0's rows (an integer all-reduce of one row and zeros: exact, signed zeros and NaN
+  payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
+  wait for every step already queued on the devices.
   """
 
-  def __init__(self, devices: Sequence[jax.Device], out_sharding: NamedSharding):
-    pmesh = mesh_lib.process_mesh(devices)
+  def __init__(self, mesh):
+    self._mesh = mesh
     self._leader = jax.process_index() == 0
-    self._num_processes = pmesh.devices.shape[0]
-    self._in = NamedSharding(pmesh, P("process"))
-    self._out = out_sharding
-    self._fn = jax.jit(lambda bits: jax.lax.bitcast_convert_type(bits[0], jnp.float32),
-                       out_shardings=NamedSharding(pmesh, P()))
+    self._in = NamedSharding(mesh, P(mesh.axis_names))  # dimension 0: one row per device
+    rows = self._in.devices_indices_map((mesh.size,))
+    source = min(idx[0].indices(mesh.size)[0] for d, idx in rows.items() if d.process_index == 0)
+    self._local_rows = len(self._in.addressable_devices)
+    self._fn = jax.jit(lambda bits: jax.lax.bitcast_convert_type(bits[source], jnp.float32),
+                       out_shardings=NamedSharding(mesh, P()))
 
   def __call__(self, vec: np.ndarray | None, size: int) -> jax.Array:
     if self._leader:
@@ -293,8 +297,9 @@ class Broadcaster:
       bits = vec.view(np.uint32)
     else:
       bits = np.zeros(size, np.uint32)
-    x = jax.make_array_from_process_local_data(self._in, bits[None], (self._num_processes, size))
-    return jax.device_put(self._fn(x), self._out)
+    # Every local row is the same vector: a read-only view, not copies.
+    local = np.broadcast_to(bits, (self._local_rows, size))
+    return self._fn(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, size)))
 
 
 def define_flags(fv) -> None:

@@ -28,15 +28,19 @@ out = {"process_count": jax.process_count(), "local_devices": jax.local_device_c
 
 mesh = mesh_lib.make_mesh(jax.devices(), {"data": -1})
 out["rows"] = list(mesh_lib.process_rows(mesh, 8))
-out["process_mesh"] = [[d.process_index for d in row] for row in mesh_lib.process_mesh(jax.devices()).devices]
 
 # Broadcast: bit for bit, signed zeros, infinities, subnormals and a NaN payload included.
 special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -3.5, 2.0**100], np.float32)
 nan_payload = np.array([0x7FC00123], np.uint32).view(np.float32)
 source = np.concatenate([special, nan_payload, np.linspace(-1, 1, 1000, dtype=np.float32)])
-broadcast = multihost.Broadcaster(jax.devices(), mesh_lib.replicated(mesh))
+broadcast = multihost.Broadcaster(mesh)
 got = broadcast(source if process_id == 0 else None, source.size)
 out["broadcast_replicated"] = bool(got.is_fully_replicated and got.sharding.mesh == mesh)
+if process_id == 0:
+  hlo = broadcast._fn.lower(  # pylint: disable=protected-access
+      jax.ShapeDtypeStruct((4, source.size), np.uint32, sharding=broadcast._in)).compile().as_text()  # pylint: disable=protected-access
+  out["broadcast_collectives"] = sorted({op for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")
+                                         if f" {op}(" in hlo})
 out["broadcast_bits_equal"] = bool(np.array_equal(np.asarray(multihost.local_replica(got)).view(np.uint32),
                                                   source.view(np.uint32)))
 out["local_replica_shape"] = list(multihost.local_replica(got).shape)

@@ -55,11 +55,11 @@ def test_broadcast_channel_and_watch_across_two_processes(tmp_path):
   p0, p1 = _worker_results(tmp_path)
   for i, r in enumerate((p0, p1)):
     assert r["process_count"] == 2 and r["local_devices"] == 2
-    assert r["process_mesh"] == [[0, 0], [1, 1]]
     # The vector process 0 sent arrives bit for bit on every process, replicated on the learner's mesh,
     # and each process's local copy of it is the whole vector.
     assert r["broadcast_bits_equal"] and r["broadcast_replicated"] and r["local_replica_shape"] == [1008]
     assert r["messages_left"] == []  # the last reader deleted every message
+  assert p0["broadcast_collectives"] == ["all-reduce"]  # one all-reduce, not a gather of every device's row
   assert p0["rows"] == [0, 4] and p1["rows"] == [4, 8]  # each process feeds its half of a batch of 8
   assert [m["seq"] for m in p1["received"]] == [0, 1, 2]
   assert p1["received"][2]["adopt"] == [[0, 3, "full", -1, 1, False]]

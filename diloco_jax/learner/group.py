@@ -42,7 +42,7 @@ class GroupLearner(loop_lib.Learner):
       raise ValueError("process 0 of a learner needs the transport, and only process 0")
     super().__init__(config, learner_id, devices, transport, fingerprint, workdir, metrics_log=metrics_log,
                      checkpoint_dir=checkpoint_dir)
-    self._broadcast = multihost.Broadcaster(devices, self._replicated)
+    self._broadcast = multihost.Broadcaster(self.trainer.mesh)
     self._seq = 0
     self._local_stop = lambda: False
     self.stop_agreed = False
