@@ -1,22 +1,24 @@
 """`python -m diloco_jax bench multihost --config configs/tiny_cpu.py [--devices 4 --processes 2 --json]`
 
-What it costs a learner to span several processes: the same learner (one learner, a quorum of one, its
+What it costs a learner to span several processes. The same learner (one learner, a quorum of one, its
 syncer core in process 0 behind the in-process transport, so no network is in the figure) on the same
-number of fake CPU devices, run one configuration after the other:
+number of fake CPU devices, run twice, one after the other:
 
-  1 process         all devices in one process: today's single-process learner;
-  N processes       the devices split over `--processes` processes joined by jax.distributed on loopback,
-                    decisions on the host channel (the coordination service's key-value store);
-  N, collective     the same, with every decision sent as a fixed-size `broadcast_one_to_all` instead:
-                    a collective the host must read back, so it waits for every step already dispatched.
+  1 x D         all D devices in one process: the single-process learner;
+  N x D/N       the devices split over `--processes` processes joined by jax.distributed on loopback, with
+                its decisions sent two ways, alternating chunk by chunk in the same processes:
+    host channel  the shipped way: a message through the coordination service's key-value store,
+                  host to host, which never waits for the devices;
+    collective    the alternative: each decision a fixed-size `broadcast_one_to_all`, a collective whose
+                  result every host reads back, so it waits for every step already dispatched.
 
-Each configuration alternates chunks of bare inner steps (no outer loop) and of learner steps (outer
-loop on) after a warm-up that compiles everything, and reports medians over the chunks: the step time of
-both, and for several processes the decisions per step and the host time they took (on process 0, which
-only publishes, and on the others, which wait for process 0's host to reach the same step boundary), and
-the broadcasts of merged fragments. The bare step time of 1 vs N processes is the price of the cross-
-process collectives of the inner step itself (gloo over loopback here; ICI on a TPU slice), which no
-protocol removes; the gap between a configuration's bare and learner steps is the outer loop's.
+Each run compiles everything in a warm-up, then alternates chunks of bare inner steps (no outer loop) and
+of learner steps (outer loop on; one chunk per decision channel) and reports medians over the chunks: the
+step times, the outer loop's share (learner - bare), the decisions per step and the host time they took
+on process 0 (which only publishes) and on the others (which also wait for process 0's host to reach the
+same step boundary), and the broadcasts of merged fragments. The bare step of 1 x D against N x D/N is
+the price of the inner step's own cross-process collectives (gloo over loopback here, ICI on a TPU
+slice), which no protocol removes.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def _flags(fv):
   flags.DEFINE_bool("json", False, "print the result as JSON", flag_values=fv)
   # One process of a configuration (the command runs itself once per process).
   flags.DEFINE_string("worker-out", None, "internal: run as a worker writing its figures here", flag_values=fv)
-  flags.DEFINE_string("channel", "host", "internal: host | collective", flag_values=fv)
   flags.DEFINE_string("coordinator", None, "internal", flag_values=fv)
   flags.DEFINE_integer("num-processes", 1, "internal", flag_values=fv)
   flags.DEFINE_integer("process-id", 0, "internal", flag_values=fv)
@@ -122,10 +123,12 @@ def _worker(fv, config) -> int:
   if leader:
     core, fingerprint = build.build_core(config, "bench-multihost")
     ticker, transport = Ticker(core), InProcessTransport(core)
+  channels = {"one process": None}
   if jax.process_count() > 1:
-    channel = (multihost.HostChannel(jax.process_index(), jax.process_count()) if fv.channel == "host"
-               else CollectiveChannel(jax.process_index(), jax.process_count()))
-    learner = group_lib.GroupLearner(config, 0, devices, transport, fingerprint, None, channel=channel)
+    channels = {"host channel": multihost.HostChannel(jax.process_index(), jax.process_count()),
+                "collective": CollectiveChannel(jax.process_index(), jax.process_count())}
+    learner = group_lib.GroupLearner(config, 0, devices, transport, fingerprint, None,
+                                     channel=channels["host channel"])
   else:
     learner = loop_lib.Learner(config, 0, devices, transport, fingerprint, None)
   bare = trainer_lib.MeshTrainer(config, devices, None, batch_size=config.data.global_batch)
@@ -133,35 +136,44 @@ def _worker(fv, config) -> int:
   steps = fv.steps or 2 * h
   learner.join()
   _chunk(bare.train_step, bare, 3)  # warm up: compile the steps, outer-gradient and adoption functions
-  _chunk(learner.train_step, learner.trainer, h + 2)
-  bare_s, learner_s, per_step = [], [], []
-  for _ in range(fv.chunks):
+  for channel in channels.values():
+    learner.channel = channel
+    _chunk(learner.train_step, learner.trainer, h + 2)
+  bare_s = []
+  learner_s = {name: [] for name in channels}
+  per_step = {name: [] for name in channels}
+  for _ in range(fv.chunks):  # the sides alternate, so that a drift of the machine's speed hits all alike
     bare_s.append(_chunk(bare.train_step, bare, steps))
-    before = _group_counters(learner)
-    learner_s.append(_chunk(learner.train_step, learner.trainer, steps))
-    per_step.append([(b - a) / steps for a, b in zip(before, _group_counters(learner))])
+    for name, channel in channels.items():
+      learner.channel = channel
+      before = _group_counters(learner)
+      learner_s[name].append(_chunk(learner.train_step, learner.trainer, steps))
+      per_step[name].append([(b - a) / steps for a, b in zip(before, _group_counters(learner))])
   learner.flush()
   learner.close()
   if ticker is not None:
     ticker.stop()
-  decisions, decision_s, broadcasts, broadcast_s = (statistics.median(col) for col in zip(*per_step))
   result = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(devices),
-            "bare_step_s": statistics.median(bare_s), "learner_step_s": statistics.median(learner_s),
-            "decisions_per_step": decisions, "decision_s_per_step": decision_s,
-            "broadcasts_per_step": broadcasts, "broadcast_s_per_step": broadcast_s,
-            "syncs": learner.stats.syncs, "chunks_bare_s": bare_s, "chunks_learner_s": learner_s}
+            "bare_step_s": statistics.median(bare_s), "chunks_bare_s": bare_s, "syncs": learner.stats.syncs,
+            "sides": {}}
+  for name in channels:
+    decisions, decision_s, broadcasts, broadcast_s = (statistics.median(col) for col in zip(*per_step[name]))
+    result["sides"][name] = {
+        "learner_step_s": statistics.median(learner_s[name]), "chunks_learner_s": learner_s[name],
+        "decisions_per_step": decisions, "decision_s_per_step": decision_s,
+        "broadcasts_per_step": broadcasts, "broadcast_s_per_step": broadcast_s}
   pathlib.Path(fv["worker-out"].value).write_text(json.dumps(result))
   return 0
 
 
 def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str, processes: int,
-                       devices: int, channel: str, extra: list[str]) -> list[dict]:
+                       devices: int, extra: list[str]) -> list[dict]:
   port = launch_local.free_port()
   procs = []
   for p in range(processes):
     out = out_dir / f"{name}_p{p}.json"
     argv = [sys.executable, "-m", "diloco_jax", "bench", "multihost", *argv_config, *extra, "--worker-out", str(out),
-            "--channel", channel, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
             "--process-id", str(p)]
     log = open(out_dir / f"{name}_p{p}.log", "wb")
     procs.append((subprocess.Popen(argv, env=launch_local.child_env(devices // processes), stdout=log,
@@ -198,19 +210,21 @@ def main(argv) -> int:
   print(f"bench multihost: {fv.devices} devices, batch {config.data.global_batch}, H={h}, "
         f"P={config.outer.num_fragments}, tau={config.outer.tau}, {fv.chunks} x {fv.steps or 2 * h} steps a side",
         file=sys.stderr)
-  configurations = [("1 process", 1, "host"), (f"{n} processes", n, "host"),
-                    (f"{n}, collective", n, "collective")]
   table = {}
   with tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp:
-    for name, processes, channel in configurations:
-      print(f"  running {name} ...", file=sys.stderr, flush=True)
-      table[name] = _run_configuration(launch_local.config_args(argv), pathlib.Path(tmp),
-                                       name.replace(" ", "_").replace(",", ""), processes, fv.devices, channel, extra)
+    for processes in (1, n):
+      print(f"  running {processes} process(es) ...", file=sys.stderr, flush=True)
+      results = _run_configuration(launch_local.config_args(argv), pathlib.Path(tmp), f"p{processes}", processes,
+                                   fv.devices, extra)
+      for side in results[0]["sides"]:
+        label = f"1 x {fv.devices}" if processes == 1 else f"{processes} x {fv.devices // processes}, {side}"
+        table[label] = [
+            {**{k: v for k, v in r.items() if k != "sides"}, **r["sides"][side]} for r in results]
   if fv.json:
     print(json.dumps(table, indent=2))
     return 0
   ms = lambda s: f"{1000 * s:8.1f}"
-  print(f"{'':28}" + "".join(f"{name:>18}" for name in table))
+  print(f"{'':28}" + "".join(f"{name:>26}" for name in table))
   rows = [("bare inner step, ms", lambda r: ms(r[0]["bare_step_s"])),
           ("learner step, ms", lambda r: ms(r[0]["learner_step_s"])),
           ("outer loop, ms/step", lambda r: ms(r[0]["learner_step_s"] - r[0]["bare_step_s"])),
@@ -222,5 +236,5 @@ def main(argv) -> int:
           ("broadcast, ms each (host)", lambda r: ms(r[0]["broadcast_s_per_step"] / r[0]["broadcasts_per_step"])
            if r[0]["broadcasts_per_step"] else f"{'-':>8}")]
   for label, cell in rows:
-    print(f"{label:28}" + "".join(f"{cell(r):>18}" for r in table.values()))
+    print(f"{label:28}" + "".join(f"{cell(r):>26}" for r in table.values()))
   return 0
