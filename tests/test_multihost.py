@@ -181,11 +181,32 @@ def test_killed_coordinator_ends_the_other_processes(tmp_path):
       rc = run.procs["learner_0_p1"].wait(60.0)
     except subprocess.TimeoutExpired:
       pytest.fail(f"process 1 still running after process 0 was killed:\n{run.log('learner_0_p1')}")
-    assert rc != 0
+    assert rc == -signal.SIGABRT, run.log("learner_0_p1")  # jax's runtime: the coordination service is gone
+    assert "JAX distributed service detected fatal errors" in run.log("learner_0_p1")
     # The syncer drops the learner when its lease lapses (process 0 could not leave).
-    wait_for(lambda: "0" not in run.status()["members"], "the syncer to drop learner 0", timeout=60)
+    wait_for(lambda: not run.status()["members"]["0"]["live"], "the syncer to drop learner 0", timeout=60)
   finally:
     run.kill_all()
+
+
+@pytest.mark.slow
+def test_signal_to_one_process_stops_the_whole_learner(tmp_path):
+  # SIGTERM reaches process 1 only: process 0 hears of it at the next stop check (every train.log_every
+  # steps) and the learner stops at the same step everywhere, flushes, checkpoints and exits 0.
+  run = helpers.ProcessRun(tmp_path, _overrides(steps=2000, **{"learners.devices": 2}))
+  try:
+    run.syncer()
+    run.group_learner(0, hosts=2)
+    wait_for(lambda: run.step(0) >= 4, "learner 0 to train")
+    run.procs["learner_0_p1"].send_signal(signal.SIGTERM)
+    run.wait_ok("learner_0_p0")
+    run.wait_ok("learner_0_p1")
+  finally:
+    run.kill_all()
+  s0 = run.summary(0)
+  assert s0["stopped_by_signal"] and not s0["completed"] and 4 <= s0["steps"] < 2000
+  assert s0["steps"] % 2 == 0  # a stop check (train.log_every = 2)
+  assert f"done at step {s0['steps']}" in run.log("learner_0_p1")
 
 
 @pytest.mark.slow
