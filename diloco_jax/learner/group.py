@@ -21,6 +21,7 @@ The outer gradient that process 0 pushes is its local copy of a replicated array
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import jax
@@ -47,7 +48,9 @@ class GroupLearner(loop_lib.Learner):
     self._local_stop = lambda: False
     self.stop_agreed = False
     self.decisions = 0
-    self.decision_s = 0.0  # host time spent publishing (process 0) or waiting for (others) decisions
+    # Host time in decisions: publishing them (process 0, whose waits for the syncer count as blocked_s
+    # only), or waiting for and reading them (the others: this includes process 0's waits).
+    self.decision_s = 0.0
     self.broadcasts = 0
     self.broadcast_s = 0.0  # host time spent dispatching the broadcasts of merged fragments
 
@@ -141,6 +144,8 @@ class GroupLearner(loop_lib.Learner):
     if self.leader and not item.future.done():
       jax.block_until_ready(self.trainer.state.params)  # as Learner._wait: dispatched steps are compute
     t0 = time.perf_counter()
+    if self.leader:  # the blocked wait; an error it ends in goes to the others with the decision
+      concurrent.futures.wait([item.future])
     decided = self._decide(lambda: {"adopt": [self._entry(items.index(item), item.future.result())]})
     self.stats.blocked_s += time.perf_counter() - t0
     self._adopt_decided(decided["adopt"], items)
