@@ -34,9 +34,12 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
+# jax has no public key-value API for the coordination service; orbax's multihost utilities reach the
+# same client this way.
+from jax._src import distributed as jax_distributed
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +95,7 @@ def initialize(spec: DistributedSpec, *, peer_timeout_s: float, init_timeout_s: 
 
 
 def _client():
-  # jax has no public key-value API; orbax's multihost utilities reach the same client this way.
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  client = distributed.global_state.client
+  client = jax_distributed.global_state.client
   if client is None:
     raise RuntimeError("jax.distributed is not initialized")
   return client
@@ -304,8 +304,6 @@ class Broadcaster:
 
 def define_flags(fv) -> None:
   """The learner process's flags for spanning several processes (defaults from the environment)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   env_int = lambda name: int(os.environ[name]) if os.environ.get(name, "").strip() else None
   flags.DEFINE_bool("distributed", False, "this learner spans several processes (one per host of a TPU "
                     "slice): initialize jax.distributed, auto-detected on Cloud TPU; implied by "
