@@ -134,7 +134,8 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
              loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir, **kwargs))
   start_step = learner.trainer.step
   if not quiet:
-    print(f"learner {learner_id}: {k} {devices[0].platform} device(s), syncer {target}, fingerprint "
+    spans = f" over {jax.process_count()} processes" if channel is not None else ""
+    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {target}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
   bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
