@@ -29,8 +29,9 @@ A learner spanning several processes (a TPU slice of several hosts) runs this sa
 with `--distributed` (jax.distributed auto-detected on Cloud TPU) or, locally, `--coordinator HOST:PORT
 --num-processes H --process-id P` (or $DILOCO_COORDINATOR, $DILOCO_NUM_PROCESSES, $DILOCO_PROCESS_ID):
 its mesh covers the devices of all H processes (`learners.devices` in all), process 0 alone talks to the
-syncer and writes metrics and the summary, all of them write the checkpoints (use a `gs://` --workdir or
---checkpoint-dir when the hosts share no disk). If one of them dies or hangs for
+syncer and writes metrics and the summary, all of them write the checkpoints (give a `gs://`
+--checkpoint-dir when the hosts share no disk; --workdir, for metrics and the summary, stays a local
+directory). If one of them dies or hangs for
 `learners.peer_timeout_s`, the others exit with status 3 (process 0 leaves the syncer first).
 """
 
