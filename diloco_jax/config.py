@@ -76,6 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners = ml_collections.ConfigDict()
   c.learners.num = 4  # M
   c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
+  # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
+  c.learners.peer_timeout_s = 60.0
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -228,6 +230,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     for field in ("stream_stall_s", "stream_deadline_s"):
       if not c.syncer[field] > 0:
         _fail(f"syncer.{field}", f"must be > 0, got {c.syncer[field]}")
+    if not c.learners.peer_timeout_s > 0:
+      _fail("learners.peer_timeout_s", f"must be > 0, got {c.learners.peer_timeout_s}")
   if num_devices is not None:
     want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
     field = "learners.devices" if learners else "mesh.num_devices"

@@ -21,6 +21,11 @@ process over gRPC on loopback, exactly as on separate hosts. The launcher:
 
 The resolved config goes to `WORKDIR/config.json` (and every child's workdir), its fingerprint beside it.
 
+With `--hosts-per-learner H`, each learner is H processes of `learners.devices / H` fake CPU devices each,
+one learner spanning them through `jax.distributed` (a coordinator on a free loopback port, process 0
+talking to the syncer), as a learner spanning H hosts of a TPU slice; their logs are
+`WORKDIR/logs/learner_<i>_p<p>.log`.
+
 Rerunning on the same workdir resumes: the syncer from its checkpoint, each learner from its own.
 Ctrl-C (or SIGTERM) stops everything cleanly: learners first (they flush and checkpoint), then the syncer;
 a child still alive after `--stop-timeout-s` is killed; the launcher exits 128 + the signal number. A child
@@ -38,6 +43,7 @@ import pathlib
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +79,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("stop-timeout-s", 60.0, "grace for a child after SIGTERM before SIGKILL",
                      flag_values=fv)
   flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
+  flags.DEFINE_integer("hosts-per-learner", 1, "processes per learner (jax.distributed on loopback), each "
+                       "with learners.devices / H fake CPU devices", flag_values=fv)
 
 
 def config_args(argv: list[str]) -> list[str]:
@@ -181,6 +189,13 @@ def learner_progress(workdir: pathlib.Path) -> dict:
   return {"step": int(record.get("step", 0)), "versions": record.get("versions")}
 
 
+def free_port() -> int:
+  """A TCP port free on loopback now (for a learner's jax.distributed coordinator)."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
 def write_token(path: pathlib.Path) -> None:
   """A fresh random run token, readable by this user only (created with mode 600, never widened)."""
   path.unlink(missing_ok=True)
@@ -209,8 +224,9 @@ class Launcher:
   """Starts, watches and stops the children of one local run."""
 
   def __init__(self, config, config_argv: list[str], workdir: pathlib.Path, run_id: str, *,
-               stop_timeout_s: float, start_timeout_s: float):
+               stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1):
     self.config, self.config_argv, self.workdir, self.run_id = config, config_argv, workdir, run_id
+    self.hosts_per_learner = hosts_per_learner
     self.stop_timeout_s, self.start_timeout_s = stop_timeout_s, start_timeout_s
     self.syncer: Child | None = None
     self.evaluator: Child | None = None  # an observer: its failure is reported, never fatal
@@ -248,14 +264,26 @@ class Launcher:
       time.sleep(0.2)
 
   def start_learners(self) -> None:
-    k = self.config.learners.devices
     for i in range(self.config.learners.num):
-      ldir = self.workdir / f"learner_{i}"
-      self.learners.append(Child(
-          f"learner {i}",
-          self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
-                        "--workdir", str(ldir), "--token-file", str(self.workdir / "token")),
-          child_env(k), self.workdir / "logs" / f"learner_{i}.log"))
+      self.start_learner(i)
+
+  def start_learner(self, i: int) -> list[Child]:
+    """Starts learner i: one process, or `hosts_per_learner` processes joined by jax.distributed."""
+    h = self.hosts_per_learner
+    ldir = self.workdir / f"learner_{i}"
+    argv = self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                         "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
+    if h == 1:
+      children = [Child(f"learner {i}", argv, child_env(self.config.learners.devices),
+                        self.workdir / "logs" / f"learner_{i}.log")]
+    else:
+      coordinator = f"127.0.0.1:{free_port()}"
+      children = [Child(f"learner {i} process {p}",
+                        argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
+                        child_env(self.config.learners.devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
+                  for p in range(h)]
+    self.learners.extend(children)
+    return children
 
   def start_evaluator(self) -> None:
     self.evaluator = Child(
@@ -279,7 +307,7 @@ class Launcher:
   def watch(self, quiet: bool = False) -> None:
     """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""
     steps = self.config.train.steps
-    dirs = [self.workdir / f"learner_{i}" for i in range(len(self.learners))]
+    dirs = [self.workdir / f"learner_{i}" for i in range(self.config.learners.num)]
     bar = None if quiet else metrics_lib.progress(steps * len(dirs), desc="local")
     max_version = 0
     try:
@@ -378,6 +406,10 @@ def main(argv) -> int:
     config.learners.num = fv.learners
     config_argv.append(f"--config.learners.num={fv.learners}")
   cli.validated(config, config.learners.num * config.learners.devices, learners=True)
+  hosts = fv["hosts-per-learner"].value
+  if hosts < 1 or config.learners.devices % hosts:
+    raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide config.learners.devices "
+                         f"({config.learners.devices})")
   # The launcher's own jax (the final eval) gets one learner's worth of CPU devices; set before first use.
   os.environ.update({k: v for k, v in child_env(config.learners.devices).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
@@ -387,12 +419,13 @@ def main(argv) -> int:
   run_id = fv["run-id"].value
   config_lib.save_resolved(config, workdir, run_id)
   launcher = Launcher(config, config_argv, workdir, run_id, stop_timeout_s=fv["stop-timeout-s"].value,
-                      start_timeout_s=fv["start-timeout-s"].value)
+                      start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts)
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, launcher.on_signal)
   t0 = time.perf_counter()
   status, failed = None, None
-  print(f"local: {config.learners.num} learners x {config.learners.devices} CPU devices, run id {run_id!r}, "
+  shape = f"{hosts} processes x {config.learners.devices // hosts}" if hosts > 1 else f"{config.learners.devices}"
+  print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
         f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:
     launcher.start_syncer()

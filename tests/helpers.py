@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -91,10 +90,7 @@ def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
   pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+free_port = launch_local.free_port
 
 
 # ---- real processes --------------------------------------------------------------------------------------
@@ -149,10 +145,19 @@ class ProcessRun:
     self.port = int(port_file.read_text())
     return proc
 
-  def learner(self, i: int) -> subprocess.Popen:
-    return self.spawn(f"learner_{i}", ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
-                                       "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
-                                       "--token-file", str(self.token_file)])
+  def learner(self, i: int, devices: int = 1, extra: Sequence[str] = (), name: str | None = None
+              ) -> subprocess.Popen:
+    return self.spawn(name or f"learner_{i}",
+                      ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                       "--workdir", str(self.tmp / f"learner_{i}"), "--token-file", str(self.token_file), *extra],
+                      devices=devices)
+
+  def group_learner(self, i: int, hosts: int, devices_per_host: int = 1) -> list[subprocess.Popen]:
+    """Learner i as `hosts` processes joined by jax.distributed on loopback, named learner_<i>_p<p>."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [self.learner(i, devices_per_host, ["--coordinator", coordinator, "--num-processes", str(hosts),
+                                               "--process-id", str(p)], name=f"learner_{i}_p{p}")
+            for p in range(hosts)]
 
   def evaluator(self) -> subprocess.Popen:
     """The global model's evaluator process, in tmp/global."""

@@ -29,6 +29,15 @@ is unreachable, so learners may start before the syncer, and survive its restart
 Output in `--workdir`: `checkpoints/`, `metrics.jsonl` and TensorBoard event files, `config.json` (the
 resolved config; its fingerprint beside it), and `summary.json` (run_learner's summary plus the process's
 wall time, payload byte counts and retries). Progress lines go to stderr.
+
+A learner spanning several processes (a TPU slice of several hosts) runs this same command on every host,
+with `--distributed` (jax.distributed auto-detected on Cloud TPU) or, locally, `--coordinator HOST:PORT
+--num-processes H --process-id P` (or $DILOCO_COORDINATOR, $DILOCO_NUM_PROCESSES, $DILOCO_PROCESS_ID):
+its mesh covers the devices of all H processes (`learners.devices` in all), process 0 alone talks to the
+syncer and writes metrics and the summary, all of them write the checkpoints (give a `gs://`
+--checkpoint-dir when the hosts share no disk; --workdir, for metrics and the summary, stays a local
+directory). If one of them dies or hangs for
+`learners.peer_timeout_s`, the others exit with status 3 (process 0 leaves the syncer first).
 """
 
 from __future__ import annotations
@@ -47,7 +56,9 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
+from diloco_jax import multihost
 from diloco_jax import protocol
+from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
@@ -127,10 +138,14 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tls-key", None, "PEM private key of --tls-cert", flag_values=fv)
   flags.DEFINE_string("tls-server-name", None, "name expected in the syncer's certificate, if not the "
                       "--syncer host", flag_values=fv)
+  flags.DEFINE_string("checkpoint-dir", None, "where checkpoints go, local or gs:// (default "
+                      "WORKDIR/checkpoints)", flag_values=fv)
+  multihost.define_flags(fv)
 
 
 def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_id: str = "",
-        num_devices: int | None = None, tls: dict | None = None, quiet: bool = False) -> dict:
+        num_devices: int | None = None, tls: dict | None = None, quiet: bool = False,
+        checkpoint_dir: str | None = None) -> dict:
   """Train one learner against the syncer at `target` until `train.steps` or a signal; returns the
   summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
@@ -142,14 +157,24 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         f"{len(devices)} {devices[0].platform} device(s); for fake CPU devices start it with "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
   fingerprint = config_lib.fingerprint(config, run_id)
-  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {}))
-  config_lib.save_resolved(config, workdir, run_id)
-  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.LEARNER_TAGS)
-  learner = loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir,
-                             metrics_log=metrics_log)
+  watch, channel, exit_hooks = _start_group(config, k, devices)
+  leader = jax.process_index() == 0  # process 0 of a multi-host learner, or a one-process learner
+  quiet = quiet or not leader
+  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})) if leader else None
+  if channel is not None and leader:
+    exit_hooks.append(lambda: transport.leave(learner_id))  # a learner out of the run leaves its quorum
+  metrics_log = None
+  if leader:
+    config_lib.save_resolved(config, workdir, run_id)
+    metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.LEARNER_TAGS)
+  kwargs = dict(metrics_log=metrics_log, checkpoint_dir=checkpoint_dir)
+  learner = (group_lib.GroupLearner(config, learner_id, devices[:k], transport, fingerprint, workdir,
+                                    channel=channel, **kwargs) if channel is not None else
+             loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir, **kwargs))
   start_step = learner.trainer.step
   if not quiet:
-    print(f"learner {learner_id}: {k} {devices[0].platform} device(s), syncer {target}, fingerprint "
+    spans = f" over {jax.process_count()} processes" if channel is not None else ""
+    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {target}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
   bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
@@ -157,8 +182,10 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   summary = None
 
   def abandon():
-    learner.comms.abandon()
-    transport.close()  # ends calls in flight and retry waits at once
+    if learner.comms is not None:
+      learner.comms.abandon()
+    if transport is not None:
+      transport.close()  # ends calls in flight and retry waits at once
 
   watchdog = ShutdownWatchdog(float(config.comms.shutdown_grace_s), abandon)
   abandoned = False
@@ -176,14 +203,28 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         summary = loop_lib.learner_summary(learner, time.perf_counter() - t0, None)
       finally:
         watchdog.disarm()
-    stopped = bool(stop.received)
+    stopped = bool(stop.received) or getattr(learner, "stop_agreed", False)
+  except Exception:
+    if watch is not None:
+      watch.wait_for_verdict()  # a collective that failed with a dead peer: exit as the watch decides
+    raise
   finally:
     if bar is not None:
       bar.close()
     # Leave only after a clean finish: a crashed learner keeps its membership until its lease lapses.
     learner.close(leave=summary is not None and not abandoned)
-    transport.close()
-    metrics_log.close()
+    if watch is not None:
+      watch.stop(done=summary is not None)
+    if transport is not None:
+      transport.close()
+    if metrics_log is not None:
+      metrics_log.close()
+  if not leader:
+    print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
+          file=sys.stderr, flush=True)
+    return summary
+  if channel is not None:
+    summary.update(learner.group_stats())
   summary.update({
       "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
       "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps and not abandoned,
@@ -197,6 +238,21 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
           f"{(summary['bytes_sent'] + summary['bytes_received']) / 2**20:.2f} MiB on the wire; "
           f"summary in {workdir}/summary.json", file=sys.stderr, flush=True)
   return summary
+
+
+def _start_group(config, k: int, devices) -> tuple:
+  """For a learner spanning several processes: checks its devices and starts the watch between its
+  processes and the channel from process 0. Returns (watch, channel, exit_hooks), all None/[] on one
+  process; `exit_hooks` run when the watch finds a process lost, before this one exits."""
+  if jax.process_count() == 1:
+    return None, None, []
+  if len(devices) != k:
+    raise cli.UsageError(f"a learner spanning {jax.process_count()} processes trains on all their devices, "
+                         f"{len(devices)} here, but config.learners.devices (or --devices) is {k}")
+  exit_hooks = []
+  watch = multihost.PeerWatch(jax.process_index(), jax.process_count(), timeout_s=config.learners.peer_timeout_s,
+                              on_lost=lambda message: multihost.exit_peer_lost(message, exit_hooks)).start()
+  return watch, multihost.HostChannel(jax.process_index(), jax.process_count(), watch=watch), exit_hooks
 
 
 def main(argv) -> int:
@@ -223,8 +279,14 @@ def main(argv) -> int:
   tls = {"tls_ca": fv["tls-ca"].value, "tls_cert": fv["tls-cert"].value, "tls_key": fv["tls-key"].value,
          "tls_server_name": fv["tls-server-name"].value}
   try:
+    spec = multihost.spec_from_flags(fv)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
+  if spec.enabled:  # before anything starts a jax backend
+    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
+  try:
     run(config, target=fv.syncer, learner_id=learner_id, workdir=fv.workdir, token=token,
-        run_id=fv["run-id"].value, num_devices=k, tls=tls)
+        run_id=fv["run-id"].value, num_devices=k, tls=tls, checkpoint_dir=fv["checkpoint-dir"].value)
   except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)
     return EXIT_FAILED
