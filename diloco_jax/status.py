@@ -94,8 +94,8 @@ def format_status(status: dict, target: str = "") -> str:
   out.append(f"rounds {c['rounds']}  contributions merged {c['contributions_merged']} (late {c['contributions_late']})"
              + (f"  since start: contributors/round {since['contributors'] / n:.2f}, grace wait/round "
                 f"{_seconds(since['grace_wait_s'] / n)}" if n else ""))
-  out.append(f"rejected {c['contributions_rejected']}"
-             + (" (" + ", ".join(f"{r} {n}" for r, n in sorted(rejected.items())) + ")" if rejected else "")
+  out.append(f"contributions rejected {c['contributions_rejected']}, requests refused by reason "
+             + ("(" + ", ".join(f"{r} {n}" for r, n in sorted(rejected.items())) + ")" if rejected else "(none)")
              + f"  tokens merged {c['tokens_merged'] / max(len(status['versions']), 1):,.0f}"
              + f"  bytes in {_bytes(c['bytes_in'])}, out {_bytes(c['bytes_out'])}"
              + f"  joins {c['joins']}, leaves {c['leaves']}, leases expired {c['leases_expired']}")

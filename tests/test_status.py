@@ -131,7 +131,7 @@ def test_status_command_against_a_live_syncer(served):
       assert observer.pull(0, 0).version == 0
       with pytest.raises(Rejected) as e:  # and it can never become one
         observer.join(OBSERVER_ID, FP)
-      assert e.value.reason == "unknown_learner"
+      assert e.value.reason == "learner_id"
     proc = _status_command(handle.port)
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
@@ -147,7 +147,7 @@ def test_status_command_against_a_live_syncer(served):
   assert fragments[0][:3] == ["0", "0", "1"]  # fragment 0: version 0, learner 1 in its open round
   assert fragments[1][:3] == ["1", "1", "-"]  # fragment 1: version 1, no open round
   text = proc.stdout
-  assert "rounds 1" in text and "contributors/round 2.00" in text and "rejected 1 (nonfinite 1)" in text
+  assert "rounds 1" in text and "contributors/round 2.00" in text and "contributions rejected 1, requests refused by reason (learner_id 1, nonfinite 1)" in text
   assert str(OBSERVER_ID) not in {line.split()[0] for line in lines if line.split()}
   assert core.status()["live"] == [0, 1]  # asking changed nothing
 
