@@ -5,7 +5,10 @@ Commands:
   baseline  Synchronous data-parallel training of the same model and data, for comparisons.
   syncer    The gRPC syncer service.
   learner   One learner process talking to a gRPC syncer.
-  local     A syncer and N learner processes on this machine.
+  local     A syncer, the global model's evaluator and N learner processes on this machine.
+  evaluator The global model's eval curve, from a gRPC syncer (an observer: it never joins).
+  status    What a running syncer is doing: learners, fragments, counters, goodput (--watch).
+  plot      PNGs of runs' metrics: eval loss vs tokens, step rates, versions, bytes on the wire.
   sim       Scale simulator and bandwidth planner (goodput, bandwidth).
   bench     Benchmarks that print figures (step, quality, overhead, transport, wan).
   tokenizer Train a SentencePiece tokenizer on text.
@@ -27,6 +30,9 @@ COMMANDS = {
     "syncer": "diloco_jax.syncer.app",
     "learner": "diloco_jax.learner.process",
     "local": "diloco_jax.launch_local",
+    "evaluator": "diloco_jax.evaluator.process",
+    "status": "diloco_jax.status",
+    "plot": "diloco_jax.plot",
     "sim": "diloco_jax.sim.cli",
     "bench": "diloco_jax.bench.cli",
     "tokenizer": "diloco_jax.tokenizer",

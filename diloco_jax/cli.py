@@ -21,6 +21,7 @@ class UsageError(SystemExit):
 
 
 CACHE_ENV = "DILOCO_JAX_CACHE"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def enable_compilation_cache() -> None:
@@ -35,10 +36,42 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def devices(count: int, command: str) -> list:
+  """`jax.devices()`, with `count` fake CPU devices when the CPU is the only backend.
+
+  Call before anything starts jax's backend. Unless the user chose a CPU device count (XLA_FLAGS with
+  --xla_force_host_platform_device_count, or $JAX_NUM_CPU_DEVICES), this sets `jax_num_cpu_devices` to
+  `count` and, if the CPU turns out to be the only platform, says so in one line on stderr. On a machine
+  with accelerators the setting only shapes the host's CPU backend, which no training step uses.
+  """
+  import jax  # lazy: see enable_compilation_cache
+
+  chosen = DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES")
+  asked = False
+  if not chosen:
+    try:
+      jax.config.update("jax_num_cpu_devices", int(count))
+      asked = True
+    except RuntimeError:  # the backend already started (an embedding program chose its devices)
+      pass
+  available = jax.devices()
+  if asked and available[0].platform == "cpu":
+    print(f"{command}: no accelerator: running on {len(available)} fake CPU devices (jax_num_cpu_devices); "
+          f"XLA_FLAGS={DEVICE_COUNT_FLAG}=N chooses another count", file=sys.stderr, flush=True)
+  return available
+
+
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
           doc: str = "", *, config: bool = True) -> flags.FlagValues:
+  """`parse_with_args` without the positional arguments."""
+  return parse_with_args(argv, define_extra, doc, config=config)[0]
+
+
+def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
+                    doc: str = "", *, config: bool = True) -> tuple[flags.FlagValues, list[str]]:
   """Parse `argv` (argv[0] is the program name) into a fresh FlagValues, with a required `--config` (and
-  the XLA compilation cache on) unless `config=False` (commands that train nothing).
+  the XLA compilation cache on) unless `config=False` (commands that train nothing). Returns the flags and
+  the positional arguments.
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
   message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
@@ -57,7 +90,7 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
           else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
   try:
-    fv(argv)
+    args = fv(argv)[1:]
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
@@ -66,7 +99,7 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
     raise UsageError(f"{detail} (see {argv[0]} --help)") from None
   if config and fv.config is None:
     raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
-  return fv
+  return fv, args
 
 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):

@@ -22,6 +22,7 @@ quantized formats they poison their block's scale and decode as NaN, so the rece
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import numpy as np
@@ -365,6 +366,52 @@ def sum_squares(enc: Encoded, *, threads: int = 1) -> float:
 
   return float(sum(chunked.run(kernel, enc.size, chunk_elems(enc.block), threads,
                                work + chunk_elems(enc.block))))
+
+
+@functools.cache
+def _squares_table(codec: str) -> np.ndarray:
+  """float32[65536]: for each little-endian uint16 word of a quantized payload's codes, the sum of its
+  codes' squares (int4: four codes, q = nibble - 8; int8: two)."""
+  word = np.arange(1 << 16, dtype=np.int64)
+  if codec == "int4":
+    codes = [((word >> (4 * k)) & 15) - 8 for k in range(4)]
+  else:
+    codes = [((word >> (8 * k)) & 255 ^ 128) - 128 for k in range(2)]
+  return sum(c * c for c in codes).astype(np.float32)
+
+
+def norm(enc: Encoded, *, threads: int = 1) -> float:
+  """The L2 norm of decode(enc), without decoding a quantized payload: per block, its scale squared times
+  the sum of its codes' squares (from a table of code pairs or quads), which is the decoded vector's norm
+  up to float32's rounding of the decoded values (a relative 2^-23). fp32: float32 sums of squares per
+  chunk, added in float64; bf16 and blocks that do not hold whole code words: `sum_squares`."""
+  if enc.codec == "fp32":
+    return chunked.norm(enc.codes, threads=threads)
+  per_word = {"int4": 4, "int8": 2}.get(enc.codec)
+  if per_word is None or enc.block % per_word:
+    return float(np.sqrt(sum_squares(enc, threads=threads)))
+  block = enc.block
+  whole = enc.size // block  # the blocks of `size` elements; a partial last one is decoded (its padding
+  # codes are no part of the vector)
+  words = enc.codes.view("<u2")
+  table = _squares_table(enc.codec)
+  per_block = block // per_word
+  ones = np.ones(per_block, np.float32)
+  step = max(1, chunked.CHUNK_ELEMS // block)  # blocks per chunk
+
+  def kernel(a, b, buf):
+    squares = buf[:(b - a) * per_block]
+    np.take(table, words[a * per_block:b * per_block], out=squares, mode="wrap")  # (no bounds check: < 2^16)
+    code_sums = squares.reshape(b - a, per_block) @ ones  # exact: small integers
+    scales = enc.scales[a:b].astype(np.float64)
+    return float(np.dot(code_sums.astype(np.float64), scales * scales))
+
+  total = sum(chunked.run(kernel, whole, step, threads, step * per_block)) if whole else 0.0
+  if whole < -(-enc.size // block):
+    tail = np.empty(enc.size - whole * block, np.float32)
+    decode_range(enc, whole * block, enc.size, tail, np.empty(scratch_elems(block), np.float32))
+    total += float(np.dot(tail.astype(np.float64), tail.astype(np.float64)))
+  return float(np.sqrt(total))
 
 
 def checksum(payload: bytes) -> int:

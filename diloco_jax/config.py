@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pathlib
 
 import ml_collections
 
@@ -74,6 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners = ml_collections.ConfigDict()
   c.learners.num = 4  # M
   c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
+  # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
+  c.learners.peer_timeout_s = 60.0
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -97,6 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.max_grace_s = 5.0
   c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+  c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
@@ -106,6 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
+  c.comms.shutdown_grace_s = 30.0  # after SIGTERM/SIGINT the final flush gets this long, then it is abandoned
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -114,6 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
   c.syncer.rate_limit_burst = 200.0
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.stream_stall_s = 10.0  # a Push or Pull stream that moves no payload bytes this long is cut
+  c.syncer.stream_deadline_s = 600.0  # no Push or Pull stream lasts longer (long-poll wait excluded)
   c.syncer.data_plane = True  # also serve push/pull payloads on a raw-TCP port (gRPC stays the control plane)
   c.syncer.merge_threads = 0  # threads of a round's merge, outer step and downlink encode; 0 = the cores, <= 8
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
@@ -219,6 +227,15 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:
       _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+    if not o.max_norm_ratio >= 0:
+      _fail("outer.max_norm_ratio", f"must be >= 0 (0 = off), got {o.max_norm_ratio}")
+    if not c.comms.shutdown_grace_s >= 0:
+      _fail("comms.shutdown_grace_s", f"must be >= 0, got {c.comms.shutdown_grace_s}")
+    for field in ("stream_stall_s", "stream_deadline_s"):
+      if not c.syncer[field] > 0:
+        _fail(f"syncer.{field}", f"must be > 0, got {c.syncer[field]}")
+    if not c.learners.peer_timeout_s > 0:
+      _fail("learners.peer_timeout_s", f"must be > 0, got {c.learners.peer_timeout_s}")
   if num_devices is not None:
     want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
     field = "learners.devices" if learners else "mesh.num_devices"
@@ -251,3 +268,27 @@ def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:
 
   blob = json.dumps({"run_id": run_id, **{f: get(f) for f in _FINGERPRINT_FIELDS}}, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+CONFIG_FILE = "config.json"
+FINGERPRINT_FILE = "fingerprint.txt"
+
+
+def save_resolved(c: ml_collections.ConfigDict, workdir: str | os.PathLike, run_id: str = "") -> pathlib.Path:
+  """Writes the config as this process runs it (after every override) to `<workdir>/config.json`, and its
+  run fingerprint to `<workdir>/fingerprint.txt` beside it; returns the config file's path. Both are
+  replaced atomically (a run resumed with other overrides records the ones it resumed with)."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  files = {CONFIG_FILE: c.to_json_best_effort(indent=2, sort_keys=True) + "\n",
+           FINGERPRINT_FILE: f"{fingerprint(c, run_id)}\n"}
+  for name, text in files.items():
+    tmp = workdir / f"{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(workdir / name)
+  return workdir / CONFIG_FILE
+
+
+def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+  """The config a run saved with `save_resolved` (its fingerprint matches the saved one)."""
+  return ml_collections.ConfigDict(json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text()))

@@ -15,6 +15,11 @@ Pipeline per learner (grain 0.2 dataset API)::
   MapDataset.source(windows)[k::M].seed(s).shuffle().repeat().batch(b, drop_remainder=True)
       .to_iter_dataset()
 
+A learner spanning H processes reads its batches in H parts, one per process: process p reads sub-batches
+p, p + H, p + 2H, ... of `batch(b / H)` on the same stream, so that the H parts of batch i, side by side,
+are exactly batch i of the one-process pipeline: the data a learner sees does not depend on how many
+hosts it spans, and each host reads only its own rows.
+
 The resulting iterator's `get_state()` is a small JSON-able dict (`{"next_index": n}`) that orbax stores
 with the checkpoint; `set_state()` on a fresh iterator of the same config resumes at the same batch.
 
@@ -386,7 +391,7 @@ def _shard_seed(seed: int, shard_index: int, num_shards: int) -> int:
 
 
 def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_index: int = 0,
-                   seed: int = 0) -> grain.DatasetIterator:
+                   seed: int = 0, part: int = 0, num_parts: int = 1) -> grain.DatasetIterator:
   """An endless, shuffled iterator of train batches for one shard (one learner).
 
   Args:
@@ -395,9 +400,11 @@ def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_inde
     num_shards: number of disjoint shards (learners).
     shard_index: which shard, in [0, num_shards).
     seed: run seed; combined with `shard_index` so every shard has its own deterministic order.
+    part / num_parts: read only rows [part * b, (part + 1) * b) of every batch, b = batch_size / num_parts
+      (the share of one process of a learner spanning `num_parts` processes).
 
   Returns:
-    A grain DatasetIterator over `{"tokens": int32[batch_size, seq_len + 1]}`. Each epoch of the shard is
+    A grain DatasetIterator over `{"tokens": int32[batch_size / num_parts, seq_len + 1]}`. Each epoch of the shard is
     reshuffled. `get_state()` / `set_state()` checkpoint and restore the position.
 
   Raises:
@@ -409,6 +416,9 @@ def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_inde
     raise ConfigError(f"config.learners.num: num_shards must be >= 1, got {num_shards}")
   if not 0 <= shard_index < num_shards:
     raise ConfigError(f"config.learners.num: shard_index {shard_index} out of range [0, {num_shards})")
+  if num_parts < 1 or batch_size % num_parts or not 0 <= part < num_parts:
+    raise ConfigError(f"config.data.global_batch: a learner's batch of {batch_size} cannot be read in part {part} "
+                      f"of {num_parts} equal parts (one per process of the learner)")
   source = _train_source(data_cfg)
   ds = grain.MapDataset.source(source)[shard_index::num_shards]
   if len(ds) < batch_size:
@@ -417,10 +427,12 @@ def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_inde
         f"config.data.global_batch: shard {shard_index} of {num_shards} holds {len(ds)} windows of "
         f"data.seq_len+1={data_cfg.seq_len + 1} tokens (of {source!r}), fewer than one batch of "
         f"{batch_size}; use more data ({more}) or a smaller data.global_batch / data.seq_len")
-  ds = (ds.seed(_shard_seed(seed, shard_index, num_shards))
-        .shuffle()
-        .repeat()
-        .batch(batch_size, drop_remainder=True))
+  ds = ds.seed(_shard_seed(seed, shard_index, num_shards)).shuffle().repeat()
+  if num_parts == 1:
+    ds = ds.batch(batch_size, drop_remainder=True)
+  else:
+    # The repeated stream is endless, so sub-batch i * num_parts + part is part `part` of batch i.
+    ds = ds.batch(batch_size // num_parts, drop_remainder=True)[part::num_parts]
   return iter(ds.to_iter_dataset(_READ_OPTIONS))
 
 

@@ -140,8 +140,8 @@ def load(model_dir: str | pathlib.Path, devices: Sequence[jax.Device] | None = N
 
 
 def syncer_checkpoint_dir(syncer_workdir: str | pathlib.Path) -> pathlib.Path:
-  """Where a syncer keeps its checkpoints: `syncer_checkpoints/` under a `syncer` process's workdir; an
-  in-process run (`train`) keeps them in `WORKDIR/syncer` itself."""
+  """Where a syncer keeps its checkpoints: `syncer_checkpoints/` under its workdir (the `syncer` process's,
+  and `WORKDIR/syncer` of `train` and `local`); a path to the checkpoint directory itself works too."""
   workdir = pathlib.Path(syncer_workdir)
   nested = workdir / "syncer_checkpoints"
   return nested if nested.is_dir() else workdir

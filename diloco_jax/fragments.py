@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -274,21 +274,22 @@ def scatter(plan: FragmentPlan, p: int, vec: np.ndarray) -> dict[str, np.ndarray
   return out
 
 
-def assemble(plan: FragmentPlan, vectors) -> dict[str, np.ndarray]:
-  """The inverse of `gather` over every fragment: `{path: array}` of every leaf, from one vector per
-  fragment (split leaves put back together from their pieces)."""
+def assemble(plan: FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
+  """The parameters held by the P fragment `vectors` (the inverse of gathering every fragment; split
+  leaves put back together from their pieces), as a nested dict of float32 host arrays shaped like
+  `template` (arrays or abstract shapes: every leaf is replaced)."""
   if len(vectors) != plan.num_fragments:
-    raise ValueError(f"{len(vectors)} fragment vectors for a plan of {plan.num_fragments} fragments")
+    raise ValueError(f"got {len(vectors)} fragment vectors, the plan has {plan.num_fragments} fragments")
   leaves: dict[str, np.ndarray] = {}
   for p, vec in enumerate(vectors):
-    vec = _check_vector(plan, p, vec)
+    vec = _check_vector(plan, p, np.asarray(vec, np.float32).reshape(-1))
     start = 0
     for path, shape, a, b in plan.pieces(p):
       if path not in leaves:
-        leaves[path] = np.empty(shape, vec.dtype)
+        leaves[path] = np.empty(shape, np.float32)
       leaves[path].reshape(-1)[a:b] = vec[start:start + b - a]
       start += b - a
-  return leaves
+  return replace_leaves(template, leaves)
 
 
 def leaf_keys(params: Any) -> dict[str, tuple]:

@@ -10,7 +10,8 @@ Both sides import this module and nothing of each other:
 * `Transport`: what a learner's comms worker calls (join, push, pull, heartbeat, leave, status), served in
   one process by `transports.inprocess` and over the network by `transports.grpc`;
 * `SyncerAPI`: what a transport calls on the syncer side (implemented by `syncer.core.SyncerCore`);
-* the run token: `read_token`, shared by the syncer and learner processes.
+* the run token: `read_token`, shared by the syncer and learner processes;
+* `shorten`: how any string that came off the wire is quoted in a message or a log line (bounded).
 """
 
 from __future__ import annotations
@@ -26,13 +27,32 @@ from typing import Iterator, Protocol, runtime_checkable
 log = logging.getLogger(__name__)
 
 # Why the syncer refuses a push (or another request). Each has a counter in the syncer's status.
+#   learner_id: the id is outside [0, learners.num)      overclaim: steps or tokens the schedule cannot give
+#   outlier: the outer gradient's norm is far above the fragment's recent ones
+#   key_conflict: an idempotency key seen before, on a different payload
 REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
-           "checksum", "metadata", "nonfinite", "future_version")
+           "checksum", "metadata", "nonfinite", "future_version", "learner_id", "overclaim", "outlier",
+           "key_conflict")
 # Rejections that mean "the syncer forgot this learner" (it restarted, or the lease lapsed): join again.
 REJOIN_REASONS = ("not_member", "unknown_learner")
 
 TOKEN_ENV = "DILOCO_TOKEN"
+# The id an observer (the global-model evaluator, `status`) uses on its calls: it pulls and asks for the
+# status without ever joining, so it is no member and never counts toward a quorum.
+OBSERVER_ID = -1
 REASON_METADATA_KEY = "diloco-reason"  # gRPC trailing metadata: the machine-readable reason of a refusal
+ECHO_CHARS = 64  # at most this much of a wire string is quoted back in a message or a log line
+
+
+def shorten(value, limit: int = ECHO_CHARS) -> str:
+  """`repr(value)` cut to about `limit` characters, saying how long it was: how a string from the wire
+  (a fingerprint, a codec name...) is quoted in a reply or a log line, so a hostile 1 MiB field is never
+  echoed whole."""
+  text = repr(value)
+  if len(text) <= limit:
+    return text
+  size = f" ({len(value)} chars)" if isinstance(value, (str, bytes)) else ""
+  return f"{text[:limit]}...{size}"
 
 
 class Rejected(Exception):
@@ -57,6 +77,11 @@ class Push:
   codec: str
   payload: bytes
   checksum: int  # codec.checksum(payload)
+  # The idempotency key (learner_id, incarnation, sequence): incarnation is random per learner process
+  # start, sequence counts that process's pushes. A retry carries the same key, and the syncer answers a
+  # key it already accepted with the original receipt instead of merging the push again. 0: no key.
+  incarnation: int = 0
+  sequence: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +249,8 @@ class Transport(Protocol):
     is a delta from it when the syncer can serve one, else the full fragment."""
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:
@@ -251,7 +277,8 @@ class SyncerAPI(Protocol):
            have_epoch: int = 0) -> Published | None:
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:
@@ -259,6 +286,11 @@ class SyncerAPI(Protocol):
 
   def max_payload_bytes(self) -> int:
     """The largest payload a valid push can carry: the service never buffers more for one push."""
+    ...
+
+  def check_learner_id(self, learner_id: int) -> None:
+    """Raise `Rejected("learner_id")` unless the id is one of this run's learners (calls whose core
+    method takes no learner id, such as `pull`, are checked with it by the transport)."""
     ...
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -48,8 +47,9 @@ def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str
               **settings) -> SyncerCore:
   """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
   "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
-  staleness_beta, ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
+  staleness_beta, num_learners (default 8), ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
   policy_fields = {f: settings.pop(f) for f in ("gamma", "tau", "min_grace_s") if f in settings}
+  settings.setdefault("num_learners", 8)
   s = SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec, downlink_codec=downlink,
                      block=block, outer_lr=lr, outer_momentum=momentum, fingerprint=fingerprint,
                      policy=QuorumPolicy(min_quorum=k, max_grace_s=max_grace_s, **policy_fields), **settings)
@@ -90,10 +90,7 @@ def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
   pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+free_port = launch_local.free_port
 
 
 # ---- real processes --------------------------------------------------------------------------------------
@@ -148,10 +145,25 @@ class ProcessRun:
     self.port = int(port_file.read_text())
     return proc
 
-  def learner(self, i: int) -> subprocess.Popen:
-    return self.spawn(f"learner_{i}", ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
-                                       "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
-                                       "--token-file", str(self.token_file)])
+  def learner(self, i: int, devices: int = 1, extra: Sequence[str] = (), name: str | None = None
+              ) -> subprocess.Popen:
+    return self.spawn(name or f"learner_{i}",
+                      ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                       "--workdir", str(self.tmp / f"learner_{i}"), "--token-file", str(self.token_file), *extra],
+                      devices=devices)
+
+  def group_learner(self, i: int, hosts: int, devices_per_host: int = 1) -> list[subprocess.Popen]:
+    """Learner i as `hosts` processes joined by jax.distributed on loopback, named learner_<i>_p<p>."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [self.learner(i, devices_per_host, ["--coordinator", coordinator, "--num-processes", str(hosts),
+                                               "--process-id", str(p)], name=f"learner_{i}_p{p}")
+            for p in range(hosts)]
+
+  def evaluator(self) -> subprocess.Popen:
+    """The global model's evaluator process, in tmp/global."""
+    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+                                    "--workdir", str(self.tmp / "global"), "--token-file", str(self.token_file),
+                                    "--poll-s", "0.2"])
 
   def status(self) -> dict:
     with GrpcTransport(f"127.0.0.1:{self.port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:

@@ -187,6 +187,30 @@ def test_chunk_kernels_are_bitwise_the_one_pass_formats(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", codec.CODECS)
+@pytest.mark.parametrize("size,block", [(70_001, 64), (3001, 7), (1000, 4), (5, 64), (200_000, 128)])
+def test_norm_without_decoding_is_the_decoded_norm(name, size, block, monkeypatch):
+  """`norm` (code tables and scales for int8 / int4) against the norm of the decoded vector: equal up to
+  float32's rounding of the decoded values, on any thread count, whatever a payload's padding codes hold."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
+  rng = np.random.default_rng(size + block)
+  vec = (rng.standard_normal(size) * rng.uniform(0.01, 3.0)).astype(np.float32)
+  payload = bytearray(codec.encode(vec, name, block))
+  if name in ("int8", "int4"):  # hostile padding: codes past `size` in the last block are no part of it
+    padded = -(-size // block) * block
+    first, last = (size, padded) if name == "int8" else (-(-size // 2), -(-padded // 2))
+    payload[first:last] = b"\x7f" * (last - first)
+  payload = bytes(payload)
+  decoded = codec.decode(payload, name, size, block).astype(np.float64)
+  expected = np.sqrt(decoded @ decoded)
+  enc = codec.parse(payload, name, size, block)
+  got = codec.norm(enc)
+  assert abs(got - expected) <= 2.0**-22 * expected
+  assert codec.norm(enc, threads=3) == got
+  zeros = codec.parse(codec.encode(np.zeros(size, np.float32), name, block), name, size, block)
+  assert codec.norm(zeros) == 0.0
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
 def test_finite_catches_every_nonfinite_decode(name):
   for bad in (np.nan, np.inf, -np.inf):
     vec = np.ones(1000, np.float32)

@@ -207,3 +207,109 @@ def test_concurrent_transfers():
     assert handle.servicer.counters()["data_pushes"] == 4
   finally:
     handle.stop(grace=0)
+
+
+def _send_pull(handle, learner_id, min_version=1, timeout_s=0.0):
+  sock, nonce = _raw(handle)
+  request = pb.PullRequest(learner_id=learner_id, fingerprint=FP, fragment=0, min_version=min_version,
+                           timeout_s=timeout_s)
+  sock.sendall(wire.request(TOKEN, nonce, wire.OP_PULL, request.SerializeToString()))
+  return sock
+
+
+def _answer(sock):
+  status, body = wire.recv_frame(sock, "reply")
+  return (status, wire.parse_refusal(body)[0] if status == wire.REFUSED else pb.PullHeader.FromString(body))
+
+
+def test_a_push_whose_data_plane_reply_was_lost_is_merged_once_when_retried_over_grpc():
+  core = helpers.make_core((5000,), codec="int4", k=2)
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
+  try:
+    for i in range(2):
+      core.join(i, FP)
+    push = push_of(core, incarnation=7, sequence=1)
+    header = pb.PushHeader(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=push.steps,
+                           tokens=push.tokens, codec="int4", checksum=push.checksum, total_size=len(push.payload),
+                           incarnation=7, sequence=1)
+    sock, nonce = _raw(handle)
+    with sock:  # the payload arrives, the reply is never read: the learner saw a broken transfer
+      sock.sendall(wire.request(TOKEN, nonce, wire.OP_PUSH, header.SerializeToString()) + push.payload)
+      helpers.wait_for(lambda: core.status()["open_rounds"].get("0", {}).get("contributions") == 1,
+                       "the data-plane push to reach the core", timeout=10)
+    with client(handle, data_plane=False) as t:  # its retry, over gRPC, with the same key
+      t.join(0, FP)
+      receipt = t.push(push)
+    assert receipt.round == 0 and core.counters["pushes_duplicate"] == 1
+    assert core.status()["open_rounds"]["0"]["contributions"] == 1
+    core.push(push_of(core, learner_id=1))
+    assert core.counters["contributions_merged"] == 2 and core.status()["versions"] == [1]
+  finally:
+    handle.stop(grace=0)
+
+
+def test_observers_pull_and_ids_outside_the_run_are_refused(syncer):
+  core, handle = syncer
+  with _send_pull(handle, -1, min_version=0) as sock:  # protocol.OBSERVER_ID
+    status, h = _answer(sock)
+    assert status == wire.OK and h.found and h.version == 0
+  for bad in (8, 1 << 30, -2):
+    with _send_pull(handle, bad, min_version=0) as sock:
+      assert _answer(sock) == (wire.REFUSED, "learner_id")
+  assert core.counters["rejected"]["learner_id"] == 3
+
+
+def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
+  core = helpers.make_core((5000,), codec="int4")
+  limits = service.Limits(pulls_per_caller=2, rate_per_s=0.5, rate_burst=3)
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits)
+  try:
+    waiting = [_send_pull(handle, 0, timeout_s=30.0) for _ in range(2)]  # long-polls for version 1
+    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 2, "two pulls waiting", timeout=10)
+    with _send_pull(handle, 0) as sock:  # a third from the same caller: busy, at once
+      assert _answer(sock) == (wire.REFUSED, "busy")
+    with _send_pull(handle, 1) as sock:  # another learner is served
+      assert _answer(sock)[1].found is False
+    with _send_pull(handle, 0) as sock:  # the caller's burst of 3 calls is spent: rate limited
+      assert _answer(sock) == (wire.REFUSED, "rate_limit")
+    with _send_pull(handle, 1) as sock:  # not the other's
+      assert _answer(sock)[1].found is False
+    for sock in waiting:  # clients that go away free their slots within the long-poll's slice
+      sock.close()
+    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 0, "pull slots to be freed", timeout=10)
+    counters = handle.servicer.counters()
+    assert counters["data_refused_busy"] == 1 and counters["data_refused_rate_limit"] == 1
+  finally:
+    handle.stop(grace=0)
+
+
+def test_the_client_retries_a_busy_data_plane_and_close_ends_its_transfers():
+  core = helpers.make_core((5000,), codec="int4")
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=service.Limits(rate_per_s=4, rate_burst=1))
+  try:
+    t = client(handle, backoff_s=0.05, unreachable_deadline_s=10.0)
+    t.join(0, FP)  # a gRPC call: its own caller
+    t.push(push_of(core))  # spends the data-plane burst
+    assert t.pull(0, 1, timeout_s=5.0).version == 1  # refused (rate limit), backed off, retried
+    assert t.retries >= 1 and t.data_port == handle.data_plane.port
+    assert handle.servicer.counters()["data_refused_rate_limit"] >= 1
+    assert handle.servicer.counters()["data_pulls"] == 1
+    failed = []
+
+    def long_poll():
+      try:
+        t.pull(0, 2, timeout_s=30.0)
+      except grpc_transport.SyncerUnreachable as e:
+        failed.append(e)
+
+    time.sleep(0.3)  # the bucket refills
+    waiter = threading.Thread(target=long_poll)
+    waiter.start()
+    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 1, "the long-poll", timeout=10)
+    t0 = time.monotonic()
+    t.close()
+    waiter.join(10)
+    assert failed and time.monotonic() - t0 < 5.0
+    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 0, "the server to notice", timeout=10)
+  finally:
+    handle.stop(grace=0)

@@ -98,7 +98,8 @@ def _check_exact_cover(plan, params):
   vectors = [fragments.gather(plan, numbered, p) for p in range(plan.num_fragments)]
   assert all(v.size > 0 for v in vectors)
   np.testing.assert_array_equal(np.sort(np.concatenate(vectors)), np.arange(total, dtype=np.float32))
-  back = fragments.assemble(plan, [fragments.gather(plan, params, p) for p in range(plan.num_fragments)])
+  back = fragments.flatten(fragments.assemble(plan, [fragments.gather(plan, params, p)
+                                                     for p in range(plan.num_fragments)], params))
   flat = fragments.flatten(params)
   assert set(back) == set(flat)
   for path, arr in back.items():

@@ -238,7 +238,7 @@ def _bad_calls(core):
        grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("join_other_run", lambda s, m: s.Join(pb.JoinRequest(learner_id=5, fingerprint="another-run"),
                                              metadata=m),
-       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", False),
+       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("not_joined", lambda s, m: s.Push(iter([_header(good, learner_id=3)] + _chunks(good.payload)),
                                          metadata=m),
        grpc.StatusCode.FAILED_PRECONDITION, "unknown_learner", True),
@@ -309,20 +309,26 @@ def test_client_translates_refusals(syncer):
       t.status()
 
 
-def test_rate_limit():
+def test_rate_limit_is_per_caller_and_the_client_backs_off():
   core = make_core()
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN,
-                            limits=service.Limits(rate_per_s=0.5, rate_burst=3))
+                         limits=service.Limits(rate_per_s=2.0, rate_burst=3))
   try:
-    with client(handle) as t:
+    with client(handle, unreachable_deadline_s=0.2, backoff_s=0.05) as t:
       t.join(0, FP)
       t.heartbeat(0, 0.1)
       t.heartbeat(0, 0.1)
-      with pytest.raises(grpc_transport.SyncerError) as info:
+      # Over the rate, within a deadline too short for the bucket to refill: given up, saying why.
+      with pytest.raises(grpc_transport.SyncerUnreachable, match="RESOURCE_EXHAUSTED.*calls/s"):
         t.heartbeat(0, 0.1)
-      assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert t.retries >= 1
+    with client(handle, unreachable_deadline_s=30.0, backoff_s=0.05) as t:
+      for _ in range(6):  # past the burst: the client backs off until the bucket refills
+        t.heartbeat(0, 0.1)
+      assert t.retries >= 1
     with client(handle, learner_id=1) as t:  # per learner: another one is not throttled
       t.join(1, FP)
+    assert handle.servicer.counters()["refused_resource_exhausted"] >= 2
   finally:
     handle.stop(grace=0)
 

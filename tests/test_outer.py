@@ -190,6 +190,50 @@ def test_fused_round_edge_cases():
     outer.apply_round(theta, momentum, [other[:-1]], [1.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_round_is_all_or_nothing(threads, monkeypatch):
+  """The in-place step writes only a result proven or checked finite: the same values whichever way, the
+  new norms with them, and nothing at all when any chunk of the result would overflow."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  size = 50_000
+  rng = np.random.default_rng(3)
+  theta0 = rng.standard_normal(size).astype(np.float32)
+  momentum0 = (0.01 * rng.standard_normal(size)).astype(np.float32)
+  vecs = [(0.01 * rng.standard_normal(size)).astype(np.float32) for _ in range(2)]
+  payloads = [codec.encode(v, "int4") for v in vecs]
+  norms = [codec.norm(codec.parse(p, "int4", size, 64)) for p in payloads]
+  state_norms = (float(np.linalg.norm(theta0)), float(np.linalg.norm(momentum0)))
+  kw = dict(codec_name="int4", block=64, lr=0.7, mu=0.9, norms=norms, threads=threads)
+  proven = (theta0.copy(), momentum0.copy())
+  checked = (theta0.copy(), momentum0.copy())
+  r1 = outer.apply_round(*proven, payloads, [1.0, 2.0], state_norms=state_norms, **kw)
+  r2 = outer.apply_round(*checked, payloads, [1.0, 2.0], **kw)  # no state norms: nothing to prove with
+  assert r1.applied and not r1.checked and r2.applied and r2.checked
+  np.testing.assert_array_equal(proven[0], checked[0])
+  np.testing.assert_array_equal(proven[1], checked[1])
+  assert not np.array_equal(proven[0], theta0)
+  np.testing.assert_allclose([r1.global_norm, r1.momentum_norm],
+                             [np.linalg.norm(proven[0].astype(np.float64)),
+                              np.linalg.norm(proven[1].astype(np.float64))], rtol=1e-5)
+  # A finite result beyond what the norms can prove (a huge global) is checked first, then written.
+  big = theta0 * np.float32(1e37)
+  big_state = (big.copy(), momentum0.copy())
+  r3 = outer.apply_round(*big_state, payloads, [1.0, 2.0],
+                         state_norms=(float(np.linalg.norm(big.astype(np.float64))), state_norms[1]), **kw)
+  assert r3.applied and r3.checked and np.isfinite(big_state[0]).all()
+  # Overflow in the last chunk only: nothing written, and what would have overflowed is named.
+  hostile = vecs[0].copy()
+  hostile[-10:] = 3e38
+  bad = [codec.encode(hostile, "fp32")] * 2
+  bad_norms = [codec.norm(codec.parse(bad[0], "fp32", size, 64))] * 2
+  state = (theta0.copy(), momentum0.copy())
+  r4 = outer.apply_round(*state, bad, [1.0, 1.0], codec_name="fp32", block=64, lr=0.7, mu=0.9, norms=bad_norms,
+                         state_norms=state_norms, threads=threads)
+  assert not r4.applied and r4.checked and "new global fragment" in r4.nonfinite
+  np.testing.assert_array_equal(state[0], theta0)
+  np.testing.assert_array_equal(state[1], momentum0)
+
+
 def test_momentum_from_old_and_new_checkpoints():
   tx = outer.make_outer_optimizer(0.7, 0.9)
   theta = np.arange(5, dtype=np.float32)

@@ -148,7 +148,10 @@ def _bad_pushes():
   nan[3], inf[5] = np.nan, -np.inf
   p = make_push(0, good)
   return [
-      ("unknown_learner", make_push(99, good)),
+      ("unknown_learner", make_push(5, good)),  # a learner of the run that never joined
+      ("learner_id", make_push(99, good)),  # not a learner of the run at all
+      ("learner_id", make_push(-1, good)),
+      ("learner_id", make_push(2**31 - 1, good)),
       ("fingerprint", make_push(0, good, fingerprint="other-run")),
       ("unknown_fragment", make_push(0, good, fragment=7)),
       ("unknown_fragment", make_push(0, good, fragment=-1)),
@@ -246,7 +249,7 @@ def test_state_dict_roundtrip():
       for i in range(2):
         c.push(make_push(i, rng.standard_normal(n), fragment=p, base_version=v))
   with pytest.raises(Rejected):
-    c.push(make_push(9, np.ones(8)))
+    c.push(make_push(5, np.ones(8)))
   state = c.state_dict()
   assert state["versions"] == [3, 3] and state["rounds"] == [3, 3]
   fresh, _ = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
@@ -272,7 +275,7 @@ def test_pull_waits_and_times_out():
 def test_in_process_transport_two_threads():
   settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
                                      block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
-                                     fingerprint=FP)
+                                     fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
   results, errors = {}, []
   barrier = threading.Barrier(2)
@@ -317,7 +320,7 @@ def test_in_process_transport_two_threads():
 
 def test_ticker_closes_rounds_without_other_calls():
   settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP)
+      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
@@ -329,6 +332,36 @@ def test_ticker_closes_rounds_without_other_calls():
     while core.status()["versions"] == [0] and time.monotonic() < give_up:
       time.sleep(0.01)
   assert core.status()["versions"] == [1]
+
+
+def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+      min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
+  core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
+  core.join(0, FP)
+  core.join(1, FP)
+  real_tick, failures = core.tick, [5]
+
+  def flaky_tick():
+    if failures[0] > 0:
+      failures[0] -= 1
+      raise RuntimeError("a bug in tick")
+    return real_tick()
+
+  core.tick = flaky_tick
+  with caplog.at_level("ERROR", logger="diloco_jax.syncer.ticker"):
+    with Ticker(core, period_s=0.01) as ticker:
+      payload = codec.encode(np.ones(4, np.float32), "fp32")
+      core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+      give_up = time.monotonic() + 10.0
+      while core.status()["versions"] == [0] and time.monotonic() < give_up:
+        time.sleep(0.01)
+      assert ticker.alive
+  # The deadline-driven close still happened (nothing else ticks here), after five failed ticks.
+  assert core.status()["versions"] == [1]
+  assert core.status()["counters"]["tick_errors"] == 5
+  tracebacks = [r for r in caplog.records if r.exc_info]
+  assert len(tracebacks) == 1 and "a bug in tick" in caplog.text  # logged, at most once a minute
 
 
 def test_settings_from_config_and_status_is_json():

@@ -91,7 +91,8 @@ class _MemorySampler:
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
-  cli.validated(config, len(jax.devices()), learners=True)
+  cli.validated(config, len(cli.devices(config.learners.num * config.learners.devices, "bench overhead")),
+                learners=True)
   config.outer.min_quorum = 1
   h = config.outer.sync_every
   steps = fv.steps or h * -(-8 // h)

@@ -1,10 +1,11 @@
 """`python -m diloco_jax bench syncer [--params 16777216 --pushes 4 --codec int4 --downlink fp32] [--json]`
 
 How fast the syncer absorbs outer gradients: M pushes of one fragment of N parameters make a round (a
-quorum of M, no grace window), which the core checks (CRC-32, finiteness), merges, steps (Nesterov) and
-publishes; then one learner pulls the result (which builds the downlink answer: the full fp32 fragment,
-or with a lossy `--downlink` the quantized change from the reference). The payloads are encoded once
-beforehand: encoding is the learners' work.
+quorum of M, no grace window), which the core checks (CRC-32, finiteness, the norm for the outlier check
+at the shipped `outer.max_norm_ratio`), merges, steps (Nesterov) and publishes; then one learner pulls the
+result (which builds the downlink answer: the full fp32 fragment, or with a lossy `--downlink` the
+quantized change from the reference). The payloads are encoded once beforehand: encoding is the learners'
+work.
 
 Measured side by side in one process, each round timed in wall-clock and in this process's CPU time
 (all threads):
@@ -12,16 +13,19 @@ Measured side by side in one process, each round timed in wall-clock and in this
   unfused    the arithmetic the core used before the chunked merge path: per push CRC, a full decode
              and a finiteness check; at the close `outer.merge` over the decoded vectors, `outer.outer_step`
              (optax, jitted on the CPU), and the downlink as separate encode / decode / add steps (fp32:
-             the answer's bytes from the new global).
+             the answer's bytes from the new global). Without the merge-safety checks (a norm per push,
+             a finiteness check of the result), which the fused path pays for: a strict baseline.
   fused      a real `SyncerCore` (`outer.apply_round`: decode, weighted sum and Nesterov step in place, in
-             cache-sized chunks; `codec.encode_residual` for a lossy downlink), once per `--threads`.
+             cache-sized chunks, written only when proven finite; `codec.encode_residual` for a lossy
+             downlink), once per `--threads`, with the merge-safety checks of a shipped config.
 
 Reported: parameters absorbed per second (M x N per round), by the wall clock and per core (over CPU
 seconds: a host with more cores runs that many rounds' worth of work in parallel); the bound from the
-bytes a round must touch (each payload read twice, for the CRC and the decode; the global and the
-momentum read and written; the downlink's reads and writes) at the rate of a plain copy measured in the
-same run (a copy of B bytes reads B and writes B, so bytes move at twice the copy rate); and the fused
-path's gain over the unfused one. The figures are medians over `--rounds` rounds after a warm-up round.
+bytes a round must touch (each payload read three times, for the CRC, the norm and the decode; the
+global and the momentum read and written; the downlink's reads and writes) at the rate of a plain copy
+measured in the same run (a copy of B bytes reads B and writes B, so bytes move at twice the copy rate);
+and the fused path's gain over the unfused one. The figures are medians over `--rounds` rounds after a
+warm-up round.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from absl import flags
 
 from diloco_jax import chunked
 from diloco_jax import cli
+from diloco_jax import config as config_lib
 from diloco_jax import codec as codec_lib
 from diloco_jax import outer
 from diloco_jax.codec import CODECS
@@ -64,7 +69,7 @@ def copy_rate(size: int, repeats: int = 10) -> float:
 def bytes_touched(size: int, pushes: int, up: str, down: str, block: int) -> int:
   """The bytes one round must read and write, at the least (see the module docstring)."""
   payload = codec_lib.encoded_size(size, up, block)
-  reads_per_push = 2 * payload + (payload if up in ("fp32", "bf16") else 0)  # CRC, decode, finiteness
+  reads_per_push = 3 * payload + (payload if up in ("fp32", "bf16") else 0)  # CRC, norm, decode, finiteness
   state = 4 * 4 * size  # global and momentum, each read and written
   if down == "fp32":
     downlink = 2 * 4 * size  # the answer's bytes: the global read, the payload written
@@ -114,7 +119,8 @@ class Fused:
     settings = SyncerSettings(num_fragments=1, sizes=(initial.size,), codec=up, downlink_codec=down, block=block,
                               outer_lr=LR, outer_momentum=MOMENTUM, fingerprint=FINGERPRINT,
                               policy=QuorumPolicy(min_quorum=pushes, max_grace_s=0.0), lease_s=3600.0,
-                              merge_threads=threads)
+                              merge_threads=threads, num_learners=pushes,
+                              max_norm_ratio=float(config_lib.base_config().outer.max_norm_ratio))
     self.core = SyncerCore(settings, [initial])
     for i in range(pushes):
       self.core.join(i, FINGERPRINT)

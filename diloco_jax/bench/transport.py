@@ -88,7 +88,7 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s):
+  def heartbeat(self, learner_id, step_time_s, step=None):
     pass
 
   def push(self, push):
@@ -105,6 +105,9 @@ class _BenchCore:
 
   def max_payload_bytes(self) -> int:
     return self._max_payload
+
+  def check_learner_id(self, learner_id) -> None:
+    pass
 
 
 def _raw_server(sock: socket.socket, size: int):

@@ -363,9 +363,9 @@ def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   need = config.learners.devices
-  if len(jax.devices()) < need:
+  if len(cli.devices(need, "bench wan")) < need:
     raise cli.UsageError(f"the learner needs learners.devices={need} devices, this process sees "
-                         f"{len(jax.devices())}; run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+                         f"{len(jax.devices())}; run with XLA_FLAGS=--xla_force_host_platform_device_count={need}")
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   if fv["paper-link"].value:
     result = run_paper(config, latency_ms=fv["latency-ms"].value, steps=fv.steps, sync_steps=fv["sync-steps"].value,

@@ -8,13 +8,18 @@ Fetches say which version's reference the learner holds (`have_version`, its bas
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
 (see `syncer/core.py`, "Downlink" and "Epochs").
+
+Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
+start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import secrets
 import threading
 import time
 
@@ -53,7 +58,10 @@ class Comms:
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
     self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
+    self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
     self.rejected: list[str] = []
+    self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
+    self._sequence = itertools.count(1)
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
     self._cpu_s = 0.0  # CPU time of the sync workers (encode, push, fetch, decode; an in-process core's merge)
@@ -64,9 +72,17 @@ class Comms:
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
 
-  def report_step_time(self, seconds: float) -> None:
-    """The inner loop's latest step time; its running average feeds the syncer's grace window."""
+  def report_step_time(self, seconds: float, step: int | None = None) -> None:
+    """The inner loop's latest step time (its running average feeds the syncer's grace window and goodput
+    estimate) and, if given, its step count (the next heartbeat reports it). The first step a process
+    reports with its count is left out of the average: it compiled, and would weigh on it for dozens of
+    steps."""
     with self._lock:
+      warmup = step is not None and self._step is None
+      if step is not None:
+        self._step = int(step)
+      if warmup:
+        return
       s = self._step_time_s
       self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
 
@@ -150,9 +166,11 @@ class Comms:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
+    with self._lock:
+      sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload))
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence)
     del vec
     try:
       receipt = self._push(push)
@@ -187,7 +205,9 @@ class Comms:
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
       try:
-        self.transport.heartbeat(self.learner_id, self.step_time_s)
+        with self._lock:
+          step = self._step
+        self.transport.heartbeat(self.learner_id, self.step_time_s, step=step)
       except Rejected as e:
         if e.reason in REJOIN_REASONS:
           try:
@@ -196,6 +216,11 @@ class Comms:
             log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
+
+  def abandon(self) -> None:
+    """Stop waiting for syncs in flight: their fetch loops end with an error (the caller closes the
+    transport to end calls on the wire too). For a shutdown whose grace ran out."""
+    self._stop.set()
 
   def close(self, leave: bool = True) -> None:
     self._pool.shutdown(wait=True)

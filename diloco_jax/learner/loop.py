@@ -128,13 +128,15 @@ class Learner:
   """A learner unit: a `MeshTrainer` on its device slice and the outer loop around it."""
 
   def __init__(self, config, learner_id: int, devices: Sequence[jax.Device], transport, fingerprint: str,
-               workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True):
+               workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True,
+               checkpoint_dir: str | None = None):
     self.config, self.learner_id = config, learner_id
     outer = config.outer
     num_learners = config.learners.num
     self.trainer = trainer_lib.MeshTrainer(
         config, devices, workdir, batch_size=config.data.global_batch // num_learners,
-        num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints)
+        num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
+        checkpoint_dir=checkpoint_dir)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
                                         outer.fragment_plan)
@@ -147,10 +149,11 @@ class Learner:
     self._replicated = mesh_lib.replicated(mesh)
     # The base starts as a device copy of the initial parameters; the syncer starts from the same ones.
     self.base = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sh.params)(self.trainer.state.params)
-    self.comms = Comms(transport, learner_id, fingerprint, codec=outer.codec,
-                       downlink_codec=outer.downlink_codec, block=outer.codec_block,
-                       sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-                       max_in_flight=self.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
+    # No transport: a process of a multi-host learner other than process 0 (learner/group.py).
+    self.comms = None if transport is None else Comms(
+        transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
+        block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
+        max_in_flight=self.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
     self.base_version = [0] * self.plan.num_fragments
     # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
     self.base_epoch = [0] * self.plan.num_fragments
@@ -234,14 +237,21 @@ class Learner:
     grad_fn, _ = self._fns[p]
     keys = self._keys[p]
     delta = grad_fn(fragments_lib.get_leaves(self.base, keys), fragments_lib.get_leaves(self.trainer.state.params, keys))
-    delta.copy_to_host_async()
-    future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
-                             base_epoch=self.base_epoch[p])
-    self.in_flight.append(InFlight(p, step, delta, future))
+    self.in_flight.append(InFlight(p, step, delta, self._start_sync(p, delta)))
     self.steps_since[p] = self.tokens_since[p] = 0
     self.stats.syncs += 1
     if self._tau == 0:
       self._wait(self.in_flight[-1])
+
+  def _start_sync(self, p: int, delta: jax.Array):
+    """Hands fragment p's outer gradient to the comms worker; returns the future of its merged result."""
+    delta.copy_to_host_async()
+    return self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
+                           base_epoch=self.base_epoch[p])
+
+  def stop_predicate(self, should_stop):
+    """The `should_stop` the loop polls between steps (a multi-host learner's is agreed by its processes)."""
+    return should_stop
 
   def after_step(self, tokens: int) -> None:
     """The outer loop's work at a step boundary (after the inner step that just ran)."""
@@ -263,7 +273,8 @@ class Learner:
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    self.comms.report_step_time(elapsed)
+    if self.comms is not None:
+      self.comms.report_step_time(elapsed, self.trainer.step)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
@@ -276,7 +287,8 @@ class Learner:
       self._wait(self.in_flight[0])
 
   def close(self, leave: bool = True) -> None:
-    self.comms.close(leave=leave)
+    if self.comms is not None:
+      self.comms.close(leave=leave)
     self.trainer.close()
 
 
@@ -292,16 +304,31 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
   eval_loss = trainer_lib.run_loop(
       trainer, learner.log, steps=config.train.steps, step_fn=learner.train_step,
       record_fields=lambda: {"learner": learner.learner_id, "blocked_s": learner.stats.blocked_s,
-                             "versions": list(learner.base_version)},
-      on_step=on_step, should_stop=should_stop, checkpoint_meta={"learner": learner.learner_id})
+                             "versions": list(learner.base_version), "comm_bytes": _wire_bytes(learner)},
+      on_step=on_step, should_stop=learner.stop_predicate(should_stop),
+      checkpoint_meta={"learner": learner.learner_id})
   learner.flush()
   trainer.save({"learner": learner.learner_id})
-  wall = time.perf_counter() - t0
+  return learner_summary(learner, time.perf_counter() - t0, eval_loss)
+
+
+def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) -> dict:
+  """What `run_learner` returns: steps, tokens, time, syncs, traffic and the local eval loss."""
+  stats, trainer = learner.stats, learner.trainer
   return {
-      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall,
-      "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
-      "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
-      "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
-      "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
-      "local_eval_loss": eval_loss,
+      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall_s,
+      "blocked_s": stats.blocked_s, "compute_s": stats.compute_s,
+      "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
+      "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
+      **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
+      "local_eval_loss": eval_loss, "params": trainer.num_params,
   }
+
+
+def _wire_bytes(learner: Learner) -> int:
+  """Bytes this learner has moved on the wire so far, both ways (its transport's count; 0 for a process
+  of a multi-host learner that does not talk to the syncer)."""
+  if learner.comms is None:
+    return 0
+  traffic = learner.comms.traffic()
+  return traffic["bytes_sent"] + traffic["bytes_received"]

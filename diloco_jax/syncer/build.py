@@ -6,9 +6,7 @@ without importing the gRPC service, and apart from `syncer/core.py`, which knows
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any
 
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
@@ -32,16 +30,9 @@ def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
   return SyncerCore(SyncerSettings.from_config(config, plan, fingerprint), initial), fingerprint
 
 
-def params_from_fragments(plan: fragments.FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
-  """Fragment vectors (one per fragment of `plan`) as a nested dict of host arrays shaped like `template`
-  (arrays or abstract shapes: every leaf is replaced)."""
-  vectors = [np.asarray(vec, np.float32).reshape(-1) for vec in vectors]
-  return fragments.replace_leaves(template, fragments.assemble(plan, vectors))
-
-
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
   """The syncer's global model as a nested dict of host arrays shaped like `template`."""
-  return params_from_fragments(plan, core.global_fragments(), template)
+  return fragments.assemble(plan, core.global_fragments(), template)
 
 
 def global_params_from_state(config, state: dict, run_id: str, template: Any) -> Any:
@@ -54,4 +45,4 @@ def global_params_from_state(config, state: dict, run_id: str, template: Any) ->
   if state["fingerprint"] != fingerprint:
     raise ValueError(f"the syncer checkpoint is of another run (fingerprint {state['fingerprint']!r}, this config "
                      f"and run id {run_id!r} give {fingerprint!r}): pass the run's config overrides and run id")
-  return params_from_fragments(fragment_plan(config, template), state["fragments"], template)
+  return fragments.assemble(fragment_plan(config, template), state["fragments"], template)

@@ -1,14 +1,25 @@
 """The syncer's raw-TCP data plane (framing: `wire.py`): Push and Pull payloads at socket speed, beside the
 gRPC service, which stays the control plane (join, leave, heartbeat, status) and the fallback.
 
-Every decision is the gRPC servicer's: the same core, limits (largest push, long-poll cap, per-learner
-call rate), fingerprint check and counters (`SyncerServicer`); the core's refusals travel back with their
-reason. What this shell adds is the care a listening socket needs: the run token proven per connection
-(HMAC of a fresh nonce, constant-time compare), TLS when the service has it (the same certificate, and
-client certificates with mutual TLS), at most `max_connections` connections at once (more are closed at
-once), a timeout on every read (`io_timeout_s`) and a deadline per transfer (`transfer_timeout_s`:
-slow senders cannot hold a thread), bounded headers, declared sizes checked before a byte is read, and
-payload memory that grows only with what arrived.
+Every decision is the gRPC servicer's: the same core, limits (largest push, long-poll cap, call rate per
+caller, pushes and pulls in flight per caller), fingerprint check, learner-id bounds (observers, whose id
+is `protocol.OBSERVER_ID`, may pull) and counters (`SyncerServicer`); a push's header is the gRPC
+PushHeader, idempotency key included, so a push retried over gRPC after its data-plane reply was lost is
+merged once. The core's refusals travel back with their reason.
+
+Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
+its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
+spends its own budget), with slots of this plane's own (`admission.Slots`: at most
+`Limits.pushes_per_caller` pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads
+are bounded by `max_connections`).
+
+What this shell adds is the care a listening socket needs: the run token proven per connection (HMAC of
+a fresh nonce, constant-time compare), TLS when the service has it (the same certificate, and client
+certificates with mutual TLS), at most `max_connections` connections at once (more are closed at once), a
+timeout on every read (`io_timeout_s`: the service's `stream_stall_s`) and a deadline per transfer
+(`transfer_timeout_s`: its `stream_deadline_s`, a pull's long-poll not counted), so slow senders cannot
+hold a thread; a pull's long-poll ends when its client closes the connection; bounded headers, declared
+sizes checked before a byte is read, and payload memory that grows only with what arrived.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import dataclasses
 import hmac
 import logging
 import secrets
+import select
 import socket
 import ssl
 import struct
@@ -26,8 +38,9 @@ import time
 from google.protobuf.message import DecodeError
 
 from diloco_jax import wire
-from diloco_jax.protocol import Push, Rejected
+from diloco_jax.protocol import OBSERVER_ID, Push, Rejected
 from diloco_jax.proto import diloco_pb2 as pb
+from diloco_jax.syncer.admission import Busy, Slots
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +49,14 @@ log = logging.getLogger(__name__)
 class DataPlaneLimits:
   max_connections: int = 64
   pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`wire.BufferPool`)
-  io_timeout_s: float = 30.0  # one read or write
-  transfer_timeout_s: float = 600.0  # one whole transfer (a pull's long-poll comes on top)
+  io_timeout_s: float = 10.0  # one read or write (the service's stream_stall_s)
+  transfer_timeout_s: float = 600.0  # one whole transfer, a pull's long-poll not counted (stream_deadline_s)
+  pull_poll_s: float = 1.0  # a pull's long-poll checks this often whether its client went away
+
+  @classmethod
+  def from_service(cls, limits) -> "DataPlaneLimits":
+    """The data plane's limits from the gRPC service's `Limits`: the same stall and deadline."""
+    return cls(io_timeout_s=float(limits.stream_stall_s), transfer_timeout_s=float(limits.stream_deadline_s))
 
 
 class DataPlaneServer:
@@ -64,6 +83,9 @@ class DataPlaneServer:
     self._sock.settimeout(0.5)  # the accept loop checks for stop this often
     self.port = self._sock.getsockname()[1]
     self._slots = threading.BoundedSemaphore(limits.max_connections)
+    service_limits = servicer.limits
+    self._push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
+    self._pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
     self._pool = wire.BufferPool(limits.pool_bytes)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="syncer-data-plane")
@@ -94,9 +116,10 @@ class DataPlaneServer:
     try:
       conn.settimeout(self.limits.io_timeout_s)
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      host = conn.getpeername()[0]
       if self._ssl is not None:
         conn = self._ssl.wrap_socket(conn, server_side=True)
-      self._transfer(conn, time.monotonic() + self.limits.transfer_timeout_s)
+      self._transfer(conn, host, time.monotonic() + self.limits.transfer_timeout_s)
     except (OSError, wire.WireError, ssl.SSLError) as e:  # a peer that went away or broke the framing
       log.info("data plane: connection dropped: %s", e)
       self.servicer._count("data_dropped")
@@ -108,7 +131,7 @@ class DataPlaneServer:
       finally:
         self._slots.release()
 
-  def _transfer(self, conn, deadline: float) -> None:
+  def _transfer(self, conn, host: str, deadline: float) -> None:
     nonce = secrets.token_bytes(wire.NONCE_BYTES)
     conn.sendall(wire.hello(nonce))
     head = wire.recv_exact(conn, wire.MAC_BYTES + 1 + 4, "request")
@@ -123,11 +146,14 @@ class DataPlaneServer:
     header = wire.recv_exact(conn, length, "request header")
     try:
       if op == wire.OP_PUSH:
-        self._push(conn, header, deadline)
+        self._push(conn, host, header, deadline)
       else:
-        self._pull(conn, header, deadline)
+        self._pull(conn, host, header, deadline)
     except Rejected as e:
       conn.sendall(wire.refusal(e.reason, e.message))
+    except Busy as e:
+      self.servicer._count("data_refused_busy")
+      conn.sendall(wire.refusal(e.reason, str(e)))
     except DecodeError as e:
       self.servicer._count("data_refused_protocol")
       conn.sendall(wire.refusal("protocol", f"unreadable request header: {e}"))
@@ -135,42 +161,72 @@ class DataPlaneServer:
       self.servicer._count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
 
-  def _admit(self, learner_id) -> None:
-    if not self.servicer._rate.allow(learner_id):
-      raise _Refusal("rate_limit", f"learner {learner_id} exceeds {self.servicer.limits.rate_per_s:g} calls/s")
+  def _admit(self, caller) -> None:
+    if not self.servicer._rate.allow(caller):
+      raise _Refusal("rate_limit", f"learner {caller[1]} from {caller[0]} exceeds "
+                     f"{self.servicer.limits.rate_per_s:g} calls/s")
 
-  def _push(self, conn, header: bytes, deadline: float) -> None:
+  def _push(self, conn, host: str, header: bytes, deadline: float) -> None:
     h = pb.PushHeader.FromString(header)
-    self._admit(h.learner_id)
+    caller = (f"data:{host}", h.learner_id)
+    self._admit(caller)
     total = int(h.total_size)
     if total > self.servicer._max_push_bytes:
       raise _Refusal("oversize", f"declared payload of {total} bytes exceeds the limit of "
                      f"{self.servicer._max_push_bytes}")
-    payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
-    push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
-                base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec, payload=payload,
-                checksum=h.checksum)
-    receipt = self.servicer.core.push(push)
+    self._push_slots.acquire(caller)
+    try:
+      payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
+      push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
+                  base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec, payload=payload,
+                  checksum=h.checksum, incarnation=h.incarnation, sequence=h.sequence)
+      receipt = self.servicer.core.push(push)
+    finally:
+      self._push_slots.release(caller)
     self.servicer._count("pushes")
     self.servicer._count("push_bytes", total)
     self.servicer._count("data_pushes")
     response = pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late)
     conn.sendall(wire.reply(wire.OK, response.SerializeToString()))
 
-  def _pull(self, conn, header: bytes, deadline: float) -> None:
+  def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:
     r = pb.PullRequest.FromString(header)
-    self._admit(r.learner_id)
+    caller = (f"data:{host}", r.learner_id)
+    self._admit(caller)
     try:
       self.servicer._check_fingerprint(r.fingerprint)
     except Exception as e:  # the servicer's refusal (`_Abort`): same reason, same words
       raise _Refusal(getattr(e, "reason", "fingerprint"), getattr(e, "message", str(e))) from None
+    if r.learner_id != OBSERVER_ID:  # observers (the global model's evaluator) pull, never join
+      self.servicer.core.check_learner_id(r.learner_id)
     timeout = float(r.timeout_s)
     if not (timeout >= 0 and timeout < float("inf")):
       raise _Refusal("protocol", f"timeout_s must be finite and >= 0, got {timeout}")
     timeout = min(timeout, self.servicer.limits.max_pull_wait_s)
     have_version = r.have_version if r.HasField("have_version") else -1
     have_epoch = r.have_epoch if r.HasField("have_epoch") else 0
-    published = self.servicer.core.pull(r.fragment, r.min_version, timeout, have_version, have_epoch)
+    self._pull_slots.acquire(caller)
+    try:
+      published = self._long_poll(conn, r, timeout, have_version, have_epoch)
+      if published is not None or not _gone(conn):
+        self._answer(conn, r, published, deadline)
+    finally:
+      self._pull_slots.release(caller)
+
+  def _long_poll(self, conn, r, timeout: float, have_version: int, have_epoch: int):
+    """The core's answer within `timeout`, waited for in slices: a client that closed its connection
+    frees this thread within `pull_poll_s`."""
+    give_up = time.monotonic() + timeout
+    published = self.servicer.core.pull(r.fragment, r.min_version, 0.0, have_version, have_epoch)
+    while published is None:
+      left = give_up - time.monotonic()
+      if left <= 0 or _gone(conn):
+        return None
+      published = self.servicer.core.pull(r.fragment, r.min_version, min(left, self.limits.pull_poll_s),
+                                          have_version, have_epoch)
+    return published
+
+  def _answer(self, conn, r, published, deadline: float) -> None:
     if published is None:
       conn.sendall(wire.reply(wire.OK, pb.PullHeader(found=False, fragment=r.fragment).SerializeToString()))
       return
@@ -195,3 +251,12 @@ class _Refusal(Exception):
 def _check_deadline(deadline: float) -> None:
   if time.monotonic() > deadline:
     raise wire.WireError("transfer deadline passed")
+
+
+def _gone(conn) -> bool:
+  """Whether a waiting pull's client closed its connection: an honest client sends nothing after its
+  request, so a readable socket (end of stream, or bytes it had no business sending) ends the wait."""
+  try:
+    return bool(select.select([conn], [], [], 0)[0])
+  except (OSError, ValueError):  # closed under us
+    return True

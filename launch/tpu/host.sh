@@ -88,7 +88,8 @@ start_syncer() {
       log_tail "$log"
       return 1
     fi
-    if tail -c "+$((offset + 1))" "$log" | grep -q "^supervise .*: the command exited"; then
+    # Exits 0 and 2 end the supervisor too ("exited" above, once it is gone); any other exit is a crash.
+    if tail -c "+$((offset + 1))" "$log" | grep "^supervise .*: the command exited" | grep -qv "exited [02]\b"; then
       echo "the syncer crashed during start: stopping its supervisor" >&2
       stop_process syncer 60 > /dev/null || true
       log_tail "$log"
