@@ -111,8 +111,27 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
 
   try:
     config_lib.validate(config, num_devices, learners=learners)
+    if learners:
+      check_fragment_plan(config)
     if data:
       data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
   return config
+
+
+def check_fragment_plan(config) -> None:
+  """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
+  that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
+  from diloco_jax import config as config_lib  # lazy, as in `validated`
+  from diloco_jax import fragments
+  from diloco_jax import model
+
+  o = config.outer
+  try:
+    fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
+  except ValueError as e:
+    message = str(e)
+    field = next((f for f in ("outer.sync_every", "outer.fragment_plan") if message.startswith(f)),
+                 "outer.num_fragments")
+    raise config_lib.ConfigError(f"config.{field}: {message}") from None

@@ -99,7 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
   c.outer.max_grace_s = 5.0
-  c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
+  c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
   c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
 
@@ -122,6 +122,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
   c.syncer.stream_stall_s = 10.0  # a Push or Pull stream that moves no payload bytes this long is cut
   c.syncer.stream_deadline_s = 600.0  # no Push or Pull stream lasts longer (long-poll wait excluded)
+  c.syncer.data_plane = True  # also serve push/pull payloads on a raw-TCP port (gRPC stays the control plane)
+  c.syncer.merge_threads = 0  # threads of a round's merge, outer step and downlink encode; 0 = the cores, <= 8
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
   c.syncer.keep_checkpoints = 3
   c.syncer.shutdown_grace_s = 2.0  # in-flight calls get this long after SIGTERM/SIGINT
@@ -193,6 +195,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail(f"mesh.{k}", f"must be >= 1 or -1 (fill), got {v}")
   if m.num_kv_heads % max(c.mesh.tensor, 1):
     _fail("mesh.tensor", f"({c.mesh.tensor}) must divide model.num_kv_heads ({m.num_kv_heads})")
+  if c.syncer.merge_threads < 0:
+    _fail("syncer.merge_threads", f"must be >= 0 (0: this host's cores, at most 8), got {c.syncer.merge_threads}")
   o = c.outer
   if learners:
     if c.learners.num < 1:
@@ -217,8 +221,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
-    if o.max_in_flight < 1:
-      _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
+    if o.max_in_flight < 0:
+      _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:

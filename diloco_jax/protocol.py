@@ -20,6 +20,8 @@ import dataclasses
 import logging
 import os
 import pathlib
+import sys
+import threading
 from typing import Iterator, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
@@ -132,34 +134,86 @@ class Reassembler:
   """Rebuilds a payload from offset-tagged chunks that must arrive in order.
 
   Memory grows with the bytes that actually arrived, never with the size a header declared: a sender that
-  declares a large payload and sends nothing costs nothing.
+  declares a large payload and sends nothing costs nothing. `into`: a buffer of exactly the declared size
+  that the receiver already holds (a reused one, see `wire.BufferPool`) to copy the chunks into instead.
   """
 
-  def __init__(self, total_size: int, what: str = "payload"):
+  def __init__(self, total_size: int, what: str = "payload", into: bytearray | None = None):
     if total_size < 0:
       raise ProtocolError("oversize", f"{what}: negative declared size {total_size}")
     self.total_size = int(total_size)
     self._what = what
+    if into is not None and len(into) != self.total_size:
+      raise ValueError(f"{what}: a buffer of {len(into)} bytes for {self.total_size}")
+    self._into = into
+    self._received = 0
     self._buf = bytearray()
 
   @property
   def received(self) -> int:
-    return len(self._buf)
+    return self._received
 
   def add(self, offset: int, data: bytes) -> None:
-    if offset != len(self._buf):
+    if offset != self._received:
       raise ProtocolError("sequence", f"{self._what}: chunk out of sequence: offset {offset}, expected "
-                          f"{len(self._buf)}")
-    if len(self._buf) + len(data) > self.total_size:
+                          f"{self._received}")
+    if self._received + len(data) > self.total_size:
       raise ProtocolError("oversize", f"{self._what} exceeds its declared size of {self.total_size} bytes")
-    self._buf += data
+    if self._into is not None:
+      self._into[offset:offset + len(data)] = data
+    else:
+      self._buf += data
+    self._received += len(data)
 
-  def finish(self) -> bytes:
-    if len(self._buf) != self.total_size:
+  def finish(self, *, copy: bool = True) -> bytes | bytearray:
+    """The payload. `copy=False` hands over the buffer itself (a bytearray, one payload-sized copy fewer;
+    the caller then owns it and must not change it while the payload is in use)."""
+    if self._received != self.total_size:
       raise ProtocolError("truncated", f"truncated {self._what}: declared {self.total_size} bytes, received "
-                          f"{len(self._buf)}")
-    out, self._buf = bytes(self._buf), bytearray()
+                          f"{self._received}")
+    buf = self._into if self._into is not None else self._buf
+    out, self._buf, self._into = (bytes(buf) if copy else buf), bytearray(), None
     return out
+
+
+class BufferPool:
+  """Payload buffers kept for reuse: a fresh buffer of a fragment's size costs the kernel's page faults,
+  about twice the transfer itself on loopback, more than a copy into a warm one (docs/benchmarks.md),
+  and the same sizes come back every round. Buffers enter the pool only after a transfer filled them (`adopt`), never on a declared size,
+  and one is handed out again (`take`) only when nothing else references it: the core drops a push's
+  payload when its round closes, a learner its pulled payload once decoded, the downlink its full
+  answer when the next version replaces it (CPython reference counts, so
+  a buffer anyone still reads is never reused). At most `limit_bytes` are kept."""
+
+  def __init__(self, limit_bytes: int):
+    self.limit_bytes = limit_bytes
+    self._buffers: list[bytearray] = []
+    self._lock = threading.Lock()
+
+  def take(self, size: int) -> bytearray | None:
+    """A pooled buffer of exactly `size` bytes that nobody holds, or None."""
+    with self._lock:
+      for buf in self._buffers:
+        # References: the pool's list, this loop variable, getrefcount's argument.
+        if len(buf) == size and sys.getrefcount(buf) <= 3:
+          return buf
+    return None
+
+  def adopt(self, buf: bytearray) -> None:
+    """Keep `buf` (just filled by a transfer) for reuse, if it fits the limit (else the oldest free
+    buffers make room, or it is not kept)."""
+    with self._lock:
+      if any(b is buf for b in self._buffers):
+        return
+      held = sum(len(b) for b in self._buffers)
+      for old in list(self._buffers):
+        if held + len(buf) <= self.limit_bytes:
+          break
+        if sys.getrefcount(old) <= 4:  # the pool's list, the copy iterated, `old`, the argument: free
+          self._buffers.remove(old)
+          held -= len(old)
+      if held + len(buf) <= self.limit_bytes:
+        self._buffers.append(buf)
 
 
 # ---- the two interfaces ----------------------------------------------------------------------------------

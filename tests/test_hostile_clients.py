@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
+from diloco_jax import config as config_lib
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol import OBSERVER_ID, Rejected
@@ -295,3 +296,15 @@ def test_close_ends_a_retrying_call_at_once():
   worker.join(10)
   assert not worker.is_alive() and time.monotonic() - start < 5
   assert errors and "closed" in str(errors[0])
+
+
+def test_slots_and_workers_follow_the_learners_fragments_in_flight():
+  # outer.max_in_flight 0 (the default) means what the schedule needs: a learner at P = H with tau = 2
+  # has 3 fragments in flight, so 3 comms workers (and a retry of each) may call at once.
+  c = config_lib.base_config()
+  c.learners.num, c.outer.num_fragments, c.outer.sync_every, c.outer.tau, c.outer.max_in_flight = 8, 20, 20, 2, 0
+  limits = service.Limits.from_config(c)
+  assert limits.pushes_per_caller == limits.pulls_per_caller == 2 * 3
+  assert service.workers_for(c) == 4 * 8 * 3
+  c.outer.max_in_flight = 5
+  assert service.Limits.from_config(c).pulls_per_caller == 10

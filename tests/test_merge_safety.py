@@ -187,6 +187,41 @@ def test_a_round_that_would_publish_nonfinite_values_is_refused_whole(caplog):
   assert c.pull(0, 3, timeout_s=0.2) is None
 
 
+@pytest.mark.parametrize("codec,threads", [("fp32", 1), ("int4", 2)])
+def test_a_refused_round_leaves_no_chunk_of_the_fragment_changed(codec, threads):
+  # The close steps the global and momentum in place, chunk by chunk: a round whose overflow lies in its
+  # last chunk must not have written the chunks before it. Two pushes, each finite and within its own
+  # norm's bound of float32, whose sum (x 1.9, Nesterov's g + mu m) overflows at the fragment's end only.
+  n = 5 * 65536 + 100
+  clock = helpers.FakeClock()
+  c = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
+                        lease_s=100.0, merge_threads=threads)
+  for i in range(2):
+    c.join(i, FP)
+  c.push(helpers.make_push(0, small(n), core=c))
+  c.push(helpers.make_push(1, small(n, seed=1), core=c))  # round 0: momentum is non-zero from here
+  state0 = c.state_dict()
+  huge = small(n, seed=2)
+  huge[-64:] = 3e38
+  for i in range(2):
+    c.push(helpers.make_push(i, huge, core=c, base_version=1))
+  after = c.state_dict()
+  assert c.counters["rounds_refused"] == 1 and after["versions"] == [1]
+  np.testing.assert_array_equal(after["fragments"][0], state0["fragments"][0])
+  np.testing.assert_array_equal(after["opt_states"][0], state0["opt_states"][0])
+  # The next honest round steps from the untouched state, as a core that never saw the refused one does.
+  twin = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
+                           lease_s=100.0, merge_threads=threads)
+  twin.load_state_dict(state0)
+  for i in range(2):
+    twin.join(i, FP)
+  for core in (c, twin):
+    for i in range(2):
+      core.push(helpers.make_push(i, small(n, seed=3 + i), core=core, base_version=1))
+  np.testing.assert_array_equal(c.global_fragments()[0], twin.global_fragments()[0])
+  assert c.status()["versions"] == [2]
+
+
 def helpers_leaves(tree):
   import jax
   return [np.asarray(x) for x in jax.tree.leaves(tree)]

@@ -132,7 +132,11 @@ def test_killed_process_takes_its_learner_out_and_restart_rejoins(tmp_path):
     # Learner 1: one process of 2 devices that trains until it is told to stop (SIGTERM), so that it is
     # still training while learner 0 is out (train.steps is not part of the run's fingerprint).
     run.learner(1, devices=2, extra=["--config.train.steps=100000"])
-    wait_for(lambda: run.step(0) >= 6, "learner 0 to reach step 6 (a checkpoint at 5)")
+    # The kill must come after a checkpoint both processes finished writing (saves are asynchronous: a
+    # kill during one leaves only the previous checkpoint, and the restart would start from scratch).
+    committed = lambda: [d for d in (tmp_path / "learner_0" / "checkpoints").glob("[0-9]*")
+                         if d.name.isdigit() and (d / "_CHECKPOINT_METADATA").exists()]
+    wait_for(lambda: run.step(0) >= 6 and committed(), "learner 0 past a committed checkpoint (step 5)")
     run.procs["learner_0_p1"].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     # Process 0 notices within the peer timeout, leaves the syncer, and exits with its own status.

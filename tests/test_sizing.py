@@ -45,15 +45,17 @@ def test_syncer_memory_parts_fp32_downlink():
   model_bytes, largest = 4 * 6000, 4 * 3000
   assert (m["global"], m["momentum"], m["full_answer"]) == (model_bytes,) * 3
   assert m["reference"] == 0 and m["latest_deltas"] == 0  # fp32 downlink: the reference is the global itself
-  assert m["open_rounds"] == 5 * 2 * largest  # 5 learners x 2 fragments in flight, at most the largest each
+  payload = codec_lib.encoded_size(3000, "int4", 64)
+  assert m["open_rounds"] == 5 * 2 * payload  # 5 learners x 2 fragments in flight, as they arrived (int4)
   assert m["pushes_receiving"] == 5 * 2 * codec_lib.encoded_size(3000, "int4", 64)
-  assert m["checkpoint_transient"] == 3 * 2 * model_bytes
+  assert m["checkpoint_transient"] == 2 * 2 * model_bytes
   assert m["checkpoint_bytes"] == 2 * model_bytes
+  assert m["merge_transient"] == 0 and largest > 0  # the merge works in place, in chunks
   resident = sizing.PROCESS_BYTES + 3 * model_bytes
-  serving = m["open_rounds"] + m["pushes_receiving"] + 6 * model_bytes + 8 * largest
+  serving = m["open_rounds"] + m["pushes_receiving"] + 4 * model_bytes
   assert m["total"] == resident + serving
   assert sizing.syncer_memory(sizes, 5, codec="int4", downlink_codec="fp32", block=64,
-                              max_in_flight=9)["open_rounds"] == 5 * 3 * largest  # never more than P
+                              max_in_flight=9)["open_rounds"] == 5 * 3 * payload  # never more than P
 
 
 def test_syncer_memory_parts_delta_downlink():
@@ -62,7 +64,7 @@ def test_syncer_memory_parts_delta_downlink():
   model_bytes = 4 * 8192
   assert m["reference"] == model_bytes
   assert m["latest_deltas"] == 2 * codec_lib.encoded_size(4096, "int8", 64)
-  assert m["checkpoint_transient"] == 3 * 3 * model_bytes  # global, momentum and reference, three copies
+  assert m["checkpoint_transient"] == 2 * 3 * model_bytes  # global, momentum and reference, two copies
   assert m["checkpoint_bytes"] == 3 * model_bytes + m["latest_deltas"]
 
 
@@ -79,7 +81,9 @@ def test_learner_memory_divides_state_over_parameter_shards():
   ln = sizing.learner_memory(c, sizes)
   assert ln["parameter_shards"] == 8 // 2
   assert ln["state_bytes_per_chip"] == 16 * sum(sizes) // 4
-  assert ln["host_bytes"] == (c.outer.max_in_flight + 1) * 4 * max(sizes)
+  in_flight = fragments.in_flight_limit(c.outer.max_in_flight, c.outer.num_fragments, c.outer.sync_every,
+                                       c.outer.tau)
+  assert in_flight == 2 and ln["host_bytes"] == (in_flight + 1) * 4 * max(sizes)
 
 
 def _cli(*args):

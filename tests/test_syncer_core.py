@@ -422,3 +422,29 @@ def test_core_closes_rounds_when_the_shared_policy_says(seed):
     assert closed_at is None
   else:
     assert closed_at == pytest.approx(expected, abs=1e-9), (closed_at, expected, arrivals, k, live, policy)
+
+
+@pytest.mark.parametrize("rda", [False, True])
+def test_core_rounds_match_the_unfused_outer_math(rda):
+  """The core's fused close (payloads held as they arrived, decoded, weighed, summed and stepped in one
+  chunked pass on 2 threads) against decode + `outer.merge` + optax's step, over two rounds."""
+  size, lr, mu = 5000, 0.7, 0.9
+  c = helpers.make_core((size,), codec="int4", k=3, lr=lr, momentum=mu, rda=rda, merge_threads=2,
+                        initial="linspace", max_grace_s=0.0, lease_s=100.0)
+  for i in range(3):
+    c.join(i, FP)
+  tx = outer.make_outer_optimizer(lr, mu)
+  theta = np.linspace(-1, 1, size, dtype=np.float32)
+  state = outer.init_outer_state(tx, theta)
+  rng = np.random.default_rng(0)
+  for version in range(2):
+    pushes = [helpers.make_push(i, rng.standard_normal(size) * (i + 1) * 0.01, core=c, base_version=version,
+                                tokens=100 * (i + 1), steps=10) for i in range(3)]
+    for p in pushes:
+      c.push(p)
+    decoded = [codec.decode(p.payload, "int4", size) for p in pushes]
+    weights = outer.merge_weights([p.tokens for p in pushes], [p.steps for p in pushes])
+    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, weights, rda=rda))
+    assert c.status()["versions"] == [version + 1]
+    np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)

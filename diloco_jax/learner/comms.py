@@ -21,6 +21,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 
 import numpy as np
 
@@ -63,6 +64,7 @@ class Comms:
     self._sequence = itertools.count(1)
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
+    self._cpu_s = 0.0  # CPU time of the sync workers (encode, push, fetch, decode; an in-process core's merge)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
@@ -88,6 +90,12 @@ class Comms:
   def step_time_s(self) -> float:
     with self._lock:
       return self._step_time_s
+
+  @property
+  def cpu_s(self) -> float:
+    """CPU seconds the sync workers spent so far (their own threads' time)."""
+    with self._lock:
+      return self._cpu_s
 
   def traffic(self) -> dict[str, int]:
     """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
@@ -147,6 +155,14 @@ class Comms:
     return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens)
 
   def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
+    cpu0 = time.thread_time()
+    try:
+      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens)
+    finally:
+      with self._lock:
+        self._cpu_s += time.thread_time() - cpu0
+
+  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)

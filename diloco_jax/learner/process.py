@@ -270,6 +270,12 @@ def main(argv) -> int:
   k = fv.devices or config.learners.devices
   if fv.devices:
     config.learners.devices = k
+  try:
+    spec = multihost.spec_from_flags(fv)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
+  if spec.enabled:  # before anything starts a jax backend (the plan check below does)
+    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
   # Validate as one learner of the run: the device total is checked above, per process.
   cli.validated(config, config.learners.num * k, learners=True)
   try:
@@ -278,12 +284,6 @@ def main(argv) -> int:
     raise cli.UsageError(str(e)) from None
   tls = {"tls_ca": fv["tls-ca"].value, "tls_cert": fv["tls-cert"].value, "tls_key": fv["tls-key"].value,
          "tls_server_name": fv["tls-server-name"].value}
-  try:
-    spec = multihost.spec_from_flags(fv)
-  except ValueError as e:
-    raise cli.UsageError(str(e)) from None
-  if spec.enabled:  # before anything starts a jax backend
-    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
   try:
     run(config, target=fv.syncer, learner_id=learner_id, workdir=fv.workdir, token=token,
         run_id=fv["run-id"].value, num_devices=k, tls=tls, checkpoint_dir=fv["checkpoint-dir"].value)

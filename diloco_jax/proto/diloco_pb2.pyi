@@ -15,7 +15,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "data_port")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,8 +24,10 @@ class JoinResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.ScalarMap[int, int]
-    def __init__(self, versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint")

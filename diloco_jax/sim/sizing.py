@@ -5,14 +5,15 @@
 The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
 fragments, their Nesterov momentum, the downlink reference (only with a lossy `outer.downlink_codec`; with
 fp32 the reference is the global fragment itself) and the cached fp32 answer to full pulls (joins,
-restarts). Pushed contributions wait decoded (float32) in open rounds; a learner has at most
-`outer.max_in_flight` fragments pushed and not yet adopted, so at most M x min(max_in_flight, P) of them,
-each at most the largest fragment. Transients come on top, measured on a real syncer process (134.5M
-parameters, fp32 and int8 downlinks, the commands in docs/tpu.md): a checkpoint holds three extra copies of
-the checkpointed vectors (the state dict's copy, the save's copy, the writer's buffers), a resume two,
-the fresh start two vectors of S; the process itself (Python, jax, gRPC, orbax) takes ~0.5 GiB. A merge
-and outer step hold about eight fragment-sized temporaries (estimated from `outer.merge` and
-`outer.outer_step`, not measured).
+restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
+has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
+`fragments.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
+fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
+downlinks, the commands in docs/tpu.md): a checkpoint held three extra copies of the checkpointed vectors
+(the state dict's copy, the save's copy, the writer's buffers; the save's copy is gone since, so two,
+not re-measured), a resume two, the fresh start two vectors of S; the process itself (Python, jax, gRPC,
+orbax) takes ~0.5 GiB. A round's merge, outer step and downlink encode work in place in cache-sized
+chunks (`outer.apply_round`, `codec.encode_residual`): no fragment-sized temporaries.
 
 Pure functions of the fragment sizes; `fragment_sizes` gets those from the model's abstract shapes (no
 parameters are materialized).
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import sys
 
-import jax
 from absl import flags
 
 from diloco_jax import cli
@@ -33,18 +33,16 @@ from diloco_jax import mesh as mesh_lib
 from diloco_jax import model
 
 PROCESS_BYTES = 600 * 2**20  # a syncer process with nothing loaded (measured ~520 MiB, rounded up)
-CHECKPOINT_COPIES = 3  # extra copies of the checkpointed vectors while a checkpoint is written (measured)
+CHECKPOINT_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is written (3 measured, one removed since)
 RESUME_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is restored (measured)
 START_COPIES = 2  # extra model-sized vectors while the initial parameters are built (measured)
-MERGE_TEMPORARIES = 8  # fragment-sized float32 temporaries of one merge + outer step (estimated)
+MERGE_TEMPORARIES = 0  # fragment-sized float32 temporaries of one merge + outer step (chunked, in place)
 
 
 def fragment_sizes(config) -> tuple[int, ...]:
   """Elements per fragment of `config`'s model under its fragment plan, from abstract shapes only."""
-  mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
-  _, abstract = model.abstract_model(config.model, mesh)
   o = config.outer
-  plan = fragments.make_plan(abstract, o.num_fragments, o.sync_every, o.fragment_plan)
+  plan = fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
   return tuple(plan.size(p) for p in range(plan.num_fragments))
 
 
@@ -63,7 +61,7 @@ def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, bloc
       "reference": model_bytes if delta_downlink else 0,
       "full_answer": model_bytes,
       "latest_deltas": sum(codec_lib.encoded_size(n, downlink_codec, block) for n in sizes) if delta_downlink else 0,
-      "open_rounds": waiting * largest,
+      "open_rounds": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "pushes_receiving": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "checkpoint_transient": CHECKPOINT_COPIES * vectors * model_bytes,
       "merge_transient": MERGE_TEMPORARIES * largest,
@@ -87,7 +85,12 @@ def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
   return syncer_memory(sizes, learners or config.learners.num, codec=o.codec,
                        downlink_codec=o.get("downlink_codec", "fp32"), block=o.codec_block,
-                       max_in_flight=o.max_in_flight)
+                       max_in_flight=_in_flight(config))
+
+
+def _in_flight(config) -> int:
+  o = config.outer
+  return fragments.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau)
 
 
 def syncer_disk_bytes(config, sizes) -> int:
@@ -112,7 +115,7 @@ def learner_memory(config, sizes) -> dict[str, int]:
   axes = mesh_lib.resolve_axis_sizes(mesh_lib.mesh_axes_from_config(config), config.learners.devices)
   shards = axes["fsdp"] * axes["tensor"]
   return {"state_bytes_per_chip": 16 * sum(sizes) // shards, "parameter_shards": shards,
-          "host_bytes": (config.outer.max_in_flight + 1) * 4 * max(sizes)}
+          "host_bytes": (_in_flight(config) + 1) * 4 * max(sizes)}
 
 
 def sizing(config, learners: int | None = None, step_s: float = 0.0) -> dict:
@@ -146,7 +149,7 @@ def format_sizing(s: dict, config) -> str:
   lines = [
       f"{s['params'] / 1e6:,.1f}M parameters in {len(s['fragment_sizes'])} fragments (largest "
       f"{max(s['fragment_sizes']) / 1e6:,.1f}M), {s['learners']} learners, H={s['sync_every']}, uplink "
-      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {o.max_in_flight}",
+      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {_in_flight(config)}",
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),

@@ -140,6 +140,7 @@ def main(argv) -> int:
 
   ticker = Ticker(core)
   handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
+                 data_plane=bool(config.syncer.data_plane),
                  fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))

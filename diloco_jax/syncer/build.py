@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import model

@@ -20,12 +20,15 @@ where step_time is `estimate_step_time` of the live learners' reported step time
 average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
 early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
 Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
+(1 + s)^-beta), merge (the weighted mean, optionally RDA), with `scale_partial_rounds` the merged outer
 gradient scaled by `outer.participation` (k of n live learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
-after its round's deadline goes into the next round (never lost); one based on an older version ("late")
-is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
-contributions merged (quorum counts it once).
+fragment published for the downlink (below), and waiting pulls are woken. Contributions are held as they
+arrived (their payloads, checked at push time: checksum, finiteness and norm, none of which decodes a
+quantized payload), and the close decodes, weighs, sums and steps them in one chunked pass over the
+fragment (`outer.apply_round`, on `merge_threads` threads), updating the global and its momentum in
+place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
+based on an older version ("late") is merged with its staleness discount. A learner pushing the same
+fragment twice into one round has both contributions merged (quorum counts it once).
 
 Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
 created and on every `load_state_dict`.
@@ -52,10 +55,12 @@ Merge safety (nothing a single push claims or sends can dominate a merge or pois
   change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
   median in a tiny_cpu run is about 3 (the first full period after the lr warm-up's short ones).
 * Finiteness. A round whose merged update, new global fragment or outer-optimizer state would hold a
-  non-finite value is refused whole: nothing changes (version, global, momentum), its contributions are
-  dropped (`counters["rounds_refused"]`, `counters["contributions_dropped"]`, an error log line), and
-  pulls waiting for the next version get the current one at once (as after a rejected push), so no
-  learner waits on a version that its dropped push was to make.
+  non-finite value is refused whole: nothing changes (version, global, momentum: the in-place step writes
+  only a result that the norms of its inputs prove finite, or that a read-only pass found finite, see
+  `outer.apply_round`), its contributions are dropped (`counters["rounds_refused"]`,
+  `counters["contributions_dropped"]`, an error log line), and pulls waiting for the next version get the
+  current one at once (as after a rejected push), so no learner waits on a version that its dropped push
+  was to make.
 * Idempotency. A push with a key (`Push.incarnation` != 0) that this core already accepted gets its
   original receipt and is not merged again (`counters["pushes_duplicate"]`); the same key on another
   payload is refused ("key_conflict"). The last `KEYS_PER_LEARNER` keys of each learner are kept; the
@@ -76,6 +81,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import outer
 from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected, shorten
@@ -112,6 +118,7 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
   num_learners: int = 1  # learner ids lie in [0, num_learners)
   # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
   tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
@@ -136,6 +143,9 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if self.merge_threads < 1:
+      raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
+                       f"{self.merge_threads}")
     if self.num_learners < 1:
       raise ValueError(f"learners.num must be >= 1, got {self.num_learners}")
     for field, value in (("tokens_per_step", self.tokens_per_step), ("sync_every", self.sync_every),
@@ -165,6 +175,7 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
         num_learners=int(config.learners.num),
         tokens_per_step=int(config.data.global_batch // config.learners.num * config.data.seq_len),
         sync_every=int(o.sync_every),
@@ -196,7 +207,11 @@ class _Contribution:
   base_version: int
   steps: int  # as claimed (within the bounds)
   tokens: int
-  delta: np.ndarray
+  # The outer gradient as it arrived (checked, not decoded: a round decodes its contributions chunk by
+  # chunk when it closes, see `outer.apply_round`), and its L2 norm (taken at push time from the payload,
+  # `codec.norm`: the outlier check, RDA and the round's finiteness bound use it).
+  encoded: codec_lib.Encoded
+  norm: float
   arrived: float
   weight_steps: int  # what the merge weight counts: capped at one schedule period
   weight_tokens: int
@@ -261,21 +276,24 @@ class SyncerCore:
     self.clock = clock
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
       frag = np.array(frag, np.float32).reshape(-1)
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
-    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
+    # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
+    self._momenta = [np.zeros_like(g) for g in self._globals]
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
     self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(settings.num_fragments)]
-    self._global_norms = [_norm(g) for g in self._globals]
+    # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
+    # lets a round prove its result finite before writing in place (`outer.apply_round`).
+    self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
+    self._momentum_norms = [0.0] * settings.num_fragments
     self._refused_at = [-1] * settings.num_fragments  # the version a refused round left in place
     self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
     self.counters = _new_counters()
@@ -284,7 +302,7 @@ class SyncerCore:
     self._started = clock()
     self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch())
+                              epoch=new_epoch(), threads=settings.merge_threads)
 
   @property
   def epoch(self) -> int:
@@ -469,17 +487,19 @@ class SyncerCore:
       if receipt is not None:
         return receipt
       self._validate_locked(push)
-    # Checksum, decode and norm outside the lock: they are the expensive part and need no state.
+    # Checksum, finiteness and norm outside the lock: they are the expensive part and need no state. The
+    # payload is not decoded (the round's close does that, chunk by chunk): finiteness from its scales,
+    # the norm from its codes and scales (`codec.finite`, `codec.norm`).
     problem = None
     if codec_lib.checksum(push.payload) != push.checksum:
       problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
                  f"{push.checksum:#010x}")
     else:
-      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
-      if not np.isfinite(delta).all():
+      encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not codec_lib.finite(encoded, threads=s.merge_threads):
         problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
       else:
-        norm = _norm(delta)
+        norm = codec_lib.norm(encoded, threads=s.merge_threads)
     with self._lock:
       if problem is not None:
         raise self._reject(*problem)
@@ -501,8 +521,8 @@ class SyncerCore:
       key = (push.incarnation, push.sequence) if push.incarnation else None
       weight_steps, weight_tokens = self._weight_inputs(push)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
-                                                       push.tokens, delta, now, weight_steps, weight_tokens,
-                                                       key))
+                                                       push.tokens, encoded, norm, now, weight_steps,
+                                                       weight_tokens, key))
       if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
         self._norms[p].append(norm)
       self.counters["bytes_in"] += len(push.payload)
@@ -579,23 +599,24 @@ class SyncerCore:
     weights = outer.merge_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule,
                                   staleness=[self._versions[p] - c.base_version for c in cs],
                                   beta=s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    scale = 1.0
     if s.scale_partial_rounds:
-      merged = merged * outer.participation(len(rnd.contributors()), len(self._live(started)))
-    new_global, new_state = outer.outer_step(self._tx, self._globals[p], self._opt_states[p], merged)
-    bad = [name for name, tree in (("merged outer gradient", merged), ("new global fragment", new_global),
-                                   ("outer optimizer state", new_state)) if not outer.all_finite(tree)]
-    if bad:
+      scale = outer.participation(len(rnd.contributors()), len(self._live(started)))
+    # In place, all or nothing: a round that would leave a non-finite value writes nothing.
+    result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
+                               codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
+                               norms=[c.norm for c in cs], scale=scale, threads=s.merge_threads,
+                               state_norms=(self._global_norms[p], self._momentum_norms[p]))
+    if not result.applied:
       # Nothing is published: the version, the global and the momentum stay; the contributions are dropped.
       self._refused_at[p] = self._versions[p]
       self.counters["rounds_refused"] += 1
       self.counters["contributions_dropped"] += len(cs)
       log.error("fragment %d: round %d refused, its %s would hold non-finite values; dropped %d "
-                "contributions from learners %s; version stays %d", p, self._rounds[p], " and ".join(bad),
-                len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
+                "contributions from learners %s; version stays %d", p, self._rounds[p],
+                " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
       return False
-    self._globals[p], self._opt_states[p] = new_global, new_state
-    self._global_norms[p] = _norm(new_global)
+    self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
     self._versions[p] += 1
     self._rounds[p] += 1
     self._downlink.commit(p, self._versions[p], self._globals[p])
@@ -724,7 +745,7 @@ class SyncerCore:
       }
 
   def state_dict(self) -> dict:
-    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
+    """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
     numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
     restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
     included: the epoch, membership (learners rejoin after a
@@ -734,7 +755,7 @@ class SyncerCore:
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
-          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "opt_states": [m.copy() for m in self._momenta],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
@@ -759,12 +780,15 @@ class SyncerCore:
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
-    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
+    global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
+    momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
     versions = [int(v) for v in state["versions"]]
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch())
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+                                threads=s.merge_threads)
     with self._lock:
       self._globals = fragments
-      self._opt_states = opt_states
+      self._momenta = momenta
       self._versions = versions
       self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
@@ -775,7 +799,7 @@ class SyncerCore:
       counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
       self.counters = counters
       self._open = [None] * s.num_fragments
-      self._global_norms = [_norm(g) for g in fragments]
+      self._global_norms, self._momentum_norms = global_norms, momentum_norms
       self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(s.num_fragments)]
       self._refused_at = [-1] * s.num_fragments
       self._keys = {}
@@ -784,10 +808,3 @@ class SyncerCore:
         self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
             _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()
-
-
-def _norm(vec: np.ndarray) -> float:
-  """The L2 norm of a float32 vector; inf if it overflows (an absurd vector, refused as an outlier)."""
-  vec = np.asarray(vec, np.float32).reshape(-1)
-  with np.errstate(over="ignore", invalid="ignore"):
-    return float(np.sqrt(np.dot(vec, vec)))

@@ -43,12 +43,15 @@ from typing import Any
 
 import grpc
 
+from diloco_jax import fragments
 from diloco_jax.protocol import (OBSERVER_ID, REASON_METADATA_KEY, ProtocolError, Push, Reassembler, Rejected,
                                  SyncerAPI, chunks, shorten)
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.ratelimit import RateLimiter
+from diloco_jax.syncer.admission import Busy, Slots
 from diloco_jax.syncer.auth import AuthInterceptor, TlsConfig, check_bind
+from diloco_jax.syncer.dataplane import DataPlaneLimits, DataPlaneServer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Limits:
   @classmethod
   def from_config(cls, config) -> "Limits":
     s = config.syncer
-    in_flight = 2 * int(config.outer.max_in_flight)  # a learner's comms workers, and a retry of each
+    in_flight = 2 * _learner_in_flight(config)  # a learner's comms workers, and a retry of each
     return cls(
         chunk_bytes=int(s.chunk_kb) * 1024,
         max_message_bytes=int(s.max_message_mb) << 20,
@@ -133,6 +136,8 @@ def _rpc(response_type=None):
         return method(self, request, context)
       except _Abort as e:
         code, message, reason = e.code, e.message, e.reason
+      except Busy as e:
+        code, message, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.reason
       except ProtocolError as e:
         code, message, reason = grpc.StatusCode.INVALID_ARGUMENT, str(e), e.reason
       except Rejected as e:
@@ -158,43 +163,6 @@ def _rpc(response_type=None):
     return wrapper
 
   return decorate
-
-
-class _Slots:
-  """Admission for calls that may hold a thread long: at most `total` at once, `per_caller` per caller."""
-
-  def __init__(self, what: str, total: int, per_caller: int):
-    self.what, self.total, self.per_caller = what, max(int(total), 1), max(int(per_caller), 1)
-    self._held: dict[Any, int] = {}
-    self._count = 0
-    self._lock = threading.Lock()
-
-  def acquire(self, caller) -> None:
-    """Take a slot for `caller`, or raise _Abort(RESOURCE_EXHAUSTED)."""
-    with self._lock:
-      mine = self._held.get(caller, 0)
-      if mine >= self.per_caller:
-        raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this caller already has {mine} {self.what} in "
-                     f"flight (at most {self.per_caller}); retry later", "busy")
-      if self._count >= self.total:
-        raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the syncer is serving its maximum of "
-                     f"{self.total} {self.what}; retry later", "busy")
-      self._held[caller] = mine + 1
-      self._count += 1
-
-  def release(self, caller) -> None:
-    with self._lock:
-      left = self._held.get(caller, 0) - 1
-      if left > 0:
-        self._held[caller] = left
-      else:
-        self._held.pop(caller, None)
-      self._count = max(self._count - 1, 0)
-
-  @property
-  def in_use(self) -> int:
-    with self._lock:
-      return self._count
 
 
 class _Stream:
@@ -265,8 +233,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._max_push_bytes = min(limits.max_push_bytes, core.max_payload_bytes())
     self._counters: dict[str, int] = {}
     self._lock = threading.Lock()
-    self._push_slots = _Slots("pushes", max_workers // 4, limits.pushes_per_caller)
-    self._pull_slots = _Slots("pulls", max_workers // 2, limits.pulls_per_caller)
+    self.data_port = 0  # the data plane's port, told to learners at Join (0: none)
+    self._push_slots = Slots("pushes", max_workers // 4, limits.pushes_per_caller)
+    self._pull_slots = Slots("pulls", max_workers // 2, limits.pulls_per_caller)
     self._watch = _StreamWatch(limits.stream_stall_s, limits.stream_deadline_s,
                                lambda: self._count("streams_cut"))
 
@@ -305,7 +274,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._admit(self._caller(context, request.learner_id))
     versions = self.core.join(request.learner_id, request.fingerprint)
     self._count("joins")
-    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()})
+    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()}, data_port=self.data_port)
 
   @_rpc(pb.LeaveResponse)
   def Leave(self, request, context):
@@ -455,9 +424,12 @@ class ServerHandle:
   server: grpc.Server
   port: int
   servicer: SyncerServicer
+  data_plane: DataPlaneServer | None = None
 
   def stop(self, grace: float | None = 1.0) -> None:
     """Stop accepting calls; let calls in flight finish for up to `grace` seconds."""
+    if self.data_plane is not None:
+      self.data_plane.stop()
     self.server.stop(grace).wait()
     self.servicer.close()
 
@@ -468,12 +440,18 @@ class ServerHandle:
 def workers_for(config) -> int:
   """Worker threads for a run: a Pull and a Push slot for each comms worker of every learner (twice, for
   retries), plus as many for the control calls; at least 32."""
-  return max(32, 4 * int(config.learners.num) * int(config.outer.max_in_flight))
+  return max(32, 4 * int(config.learners.num) * _learner_in_flight(config))
+
+
+def _learner_in_flight(config) -> int:
+  """A learner's comms workers: its fragments in flight (`outer.max_in_flight`, 0: the schedule's need)."""
+  o = config.outer
+  return fragments.in_flight_limit(int(o.max_in_flight), int(o.num_fragments), int(o.sync_every), int(o.tau))
 
 
 def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsConfig | None = None,
           limits: Limits = Limits(), fingerprint: str | None = None, max_workers: int = 32,
-          allow_remote: bool = False) -> ServerHandle:
+          allow_remote: bool = False, data_plane: bool = True) -> ServerHandle:
   """Start the syncer service for `core` on `bind` in a thread pool; return at once.
 
   Args:
@@ -486,6 +464,8 @@ def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsCon
       checked by the core).
     max_workers: threads serving calls; a quarter may serve Pushes and a half Pulls (module docstring).
     allow_remote: permit a non-loopback bind.
+    data_plane: also serve Push and Pull payloads on a raw-TCP port of the same host
+      (`syncer/dataplane.py`), which Join tells learners; gRPC stays the control plane and the fallback.
   """
   check_bind(bind, allow_remote=allow_remote, tls=tls)
   if max_workers < 4:
@@ -514,5 +494,11 @@ def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsCon
   if port == 0:
     raise OSError(f"could not bind {bind!r}")
   server.start()
-  log.info("syncer serving on %s (port %d, %s)", bind, port, "TLS" if tls else "plaintext")
-  return ServerHandle(server=server, port=port, servicer=servicer)
+  plane = None
+  if data_plane:
+    plane = DataPlaneServer(servicer, token, bind.rsplit(":", 1)[0].strip("[]") or "127.0.0.1", tls=tls,
+                            limits=DataPlaneLimits.from_service(limits))
+    servicer.data_port = plane.port
+  log.info("syncer serving on %s (port %d, %s)%s", bind, port, "TLS" if tls else "plaintext",
+           f", data plane on port {plane.port}" if plane else "")
+  return ServerHandle(server=server, port=port, servicer=servicer, data_plane=plane)
