@@ -73,10 +73,9 @@ def setup_of(config) -> syncer.Setup:
                       downlink_codec=o.downlink_codec, block=o.codec_block, max_in_flight=sizing.in_flight(config))
 
 
-def rows_for(name: str, config, learners: list[int], step_s: float, shards: int, merge_rate: float,
-             cores: int, host_bytes: int) -> list[dict]:
-  """One row per M: everything the table prints, as plain values."""
-  setup = setup_of(config)
+def rows_for(name: str, config, setup: syncer.Setup, learners: list[int], step_s: float, shards: int,
+             merge_rate: float, cores: int, host_bytes: int) -> list[dict]:
+  """One row per M for `config` (whose `setup_of` is `setup`): everything the table prints, as plain values."""
   rate = merge_rate or syncer.measured_merge_rate(setup.downlink_codec)
   threads = syncer.merge_threads(config.syncer.merge_threads, cores)
   params = sum(setup.sizes)
@@ -178,10 +177,13 @@ def main(argv) -> int:
     if not (ok and math.isfinite(value)):
       raise cli.UsageError(f"--{name} must be {'>= 0' if name == 'merge-rate' else '> 0'} and finite, got {value}")
   host_bytes = int(host_gb * 1e9)
-  configs = [(pathlib.Path(path).stem, load_config(path)) for path in fv.configs or shipped_configs()]
+  configs = []
+  for path in fv.configs or shipped_configs():
+    config = load_config(path)
+    configs.append((pathlib.Path(path).stem, config, setup_of(config)))
   rows = []
-  for name, config in sorted(configs, key=lambda nc: sum(sizing.fragment_sizes(nc[1]))):  # smallest first
-    rows += rows_for(name, config, learners, step_s, fv.shards, rate, cores, host_bytes)
+  for name, config, setup in sorted(configs, key=lambda c: sum(c[2].sizes)):  # the smallest model first
+    rows += rows_for(name, config, setup, learners, step_s, fv.shards, rate, cores, host_bytes)
   if fv.json:
     print(json.dumps({"rows": rows, "cores_per_shard": cores, "host_bytes": host_bytes}, indent=2))
   else:
