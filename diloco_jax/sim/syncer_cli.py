@@ -23,6 +23,7 @@ import json
 import math
 import pathlib
 
+from diloco_jax import chunked
 from diloco_jax import cli
 from diloco_jax.sim import sizing
 from diloco_jax.sim import syncer
@@ -46,7 +47,7 @@ def _flags(fv):
          f"for the config's downlink ({syncer.MEASURED_MERGE_RATE['fp32'] / 1e6:g}M fp32, "
          f"{syncer.MEASURED_MERGE_RATE['quantized'] / 1e6:g}M quantized).")
   define("integer", "cores-per-shard", 32, "Cores of a shard's host (merge threads: syncer.merge_threads, or "
-         f"with 0 these cores up to {syncer.chunked.DEFAULT_THREAD_LIMIT}).")
+         f"with 0 these cores up to {chunked.DEFAULT_THREAD_LIMIT}).")
   define("float", "host-memory-gb", 256.0, "Memory of a shard's host, GB (default: an n2-highmem-32, 32 vCPUs "
          "and 256 GB, a syncer machine of launch/tpu/presets.sh).")
   define("bool", "json", False, "Print JSON instead of a table.")
