@@ -29,8 +29,8 @@ from diloco_jax import chunked
 from diloco_jax.sim import sizing
 
 # `bench syncer`, fused path, 1 thread, parameters absorbed per second per core for M = 4 int4 pushes of a
-# 16,777,216-parameter fragment; the lower of two runs per downlink (docs/benchmarks.md). A quantized
-# downlink was measured with int4; int8's encode does the same passes over the fragment.
+# 16,777,216-parameter fragment; the lower of two runs per downlink (docs/benchmarks.md). The quantized
+# figure was measured with an int4 downlink; int8 and bf16 downlinks take it too (not measured).
 MEASURED_MERGE_RATE = {"fp32": 969e6, "quantized": 749e6}
 HEADROOM = 1.25  # launch/tpu/create.sh: a syncer host holds its estimate with 25% headroom ...
 OS_BYTES = 4 * 10**9  # ... plus 4 GB for the operating system
