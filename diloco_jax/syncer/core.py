@@ -33,6 +33,13 @@ fragment twice into one round has both contributions merged (quorum counts it on
 Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
 created and on every `load_state_dict`.
 
+Shards. A core may own only some fragments (`SyncerSettings.owned`, from `placement.assign_shards`: one
+shard of a sharded syncer, docs/architecture.md). It holds arrays, rounds, checkpoints and epochs only for
+those; the others hold no arrays (zero-length placeholders keep the per-fragment lists indexed by
+fragment), and a push or pull of one is refused ("wrong_shard"). `join` answers the versions of the owned
+fragments only. Membership is the same as unsharded: each shard keeps its own leases from the heartbeats
+that reach it.
+
 Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
 Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
 `STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
@@ -125,6 +132,7 @@ class SyncerSettings:
   sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
   max_push_steps: int = 0  # train.steps: no push may claim more
   max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
+  owned: tuple[int, ...] | None = None  # the fragments this core (one shard) serves; None: all of them
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -154,10 +162,27 @@ class SyncerSettings:
         raise ValueError(f"{field} must be >= 0 (0: no bound), got {value}")
     if not self.max_norm_ratio >= 0:
       raise ValueError(f"outer.max_norm_ratio must be >= 0 (0: off), got {self.max_norm_ratio}")
+    if self.owned is not None and (not self.owned or list(self.owned) != sorted(set(self.owned))
+                                   or not all(0 <= p < self.num_fragments for p in self.owned)):
+      raise ValueError(f"owned fragments must be a sorted, non-empty set of fragments in "
+                       f"[0, {self.num_fragments}), got {self.owned}")
+
+  def owns(self, p: int) -> bool:
+    """Whether this core serves fragment p (every fragment, unsharded)."""
+    return self.owned is None or p in self.owned
+
+  @property
+  def held_sizes(self) -> tuple[int, ...]:
+    """Elements this core holds per fragment: the size of an owned fragment, 0 for another shard's."""
+    return tuple(n if self.owns(p) else 0 for p, n in enumerate(self.sizes))
+
+  @property
+  def num_owned(self) -> int:
+    return self.num_fragments if self.owned is None else len(self.owned)
 
   @classmethod
-  def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
-    """Settings from `config.outer` and a `fragments.FragmentPlan`."""
+  def from_config(cls, config, plan, fingerprint: str, owned: tuple[int, ...] | None = None) -> "SyncerSettings":
+    """Settings from `config.outer` and a `fragments.FragmentPlan`; `owned`: a shard's fragments."""
     o = config.outer
     return cls(
         num_fragments=plan.num_fragments,
@@ -181,6 +206,7 @@ class SyncerSettings:
         sync_every=int(o.sync_every),
         max_push_steps=int(config.train.steps),
         max_norm_ratio=float(o.max_norm_ratio),
+        owned=owned,
     )
 
 
@@ -278,9 +304,10 @@ class SyncerCore:
     self._cond = threading.Condition(self._lock)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
-      frag = np.array(frag, np.float32).reshape(-1)
-      if frag.size != settings.sizes[p]:
-        raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
+      # Another shard's fragment: a zero-length placeholder (whatever was passed for it).
+      frag = np.array(frag if settings.owns(p) else (), np.float32).reshape(-1)
+      if frag.size != settings.held_sizes[p]:
+        raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.held_sizes[p]}")
       self._globals.append(frag)
     # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
     self._momenta = [np.zeros_like(g) for g in self._globals]
@@ -301,7 +328,7 @@ class SyncerCore:
     # contributors and their grace waits (quorum to close), summed.
     self._started = clock()
     self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
-    self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
+    self._downlink = Downlink(settings.held_sizes, settings.downlink_codec, settings.block, self._globals,
                               epoch=new_epoch(), threads=settings.merge_threads)
 
   @property
@@ -312,7 +339,7 @@ class SyncerCore:
   def max_payload_bytes(self) -> int:
     """The largest valid push payload: the largest fragment in the run's uplink codec."""
     s = self.settings
-    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
+    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.held_sizes)
 
   def count(self, name: str, n: int = 1) -> None:
     """Add to one of `counters` (e.g. "tick_errors", counted by the ticker)."""
@@ -361,7 +388,7 @@ class SyncerCore:
                                           last_push=old.last_push if old else None,
                                           steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
-      return dict(enumerate(self._versions))
+      return {p: v for p, v in enumerate(self._versions) if self.settings.owns(p)}
 
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
@@ -439,6 +466,9 @@ class SyncerCore:
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
     if not 0 <= push.fragment < s.num_fragments:
       raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
+    if not s.owns(push.fragment):
+      raise self._reject("wrong_shard", f"fragment {push.fragment} belongs to another syncer shard; this "
+                         f"one serves fragments {list(s.owned)}")
     if push.codec != s.codec:
       raise self._reject("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
     want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
@@ -676,6 +706,9 @@ class SyncerCore:
     """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
+    if not self.settings.owns(fragment):
+      raise Rejected("wrong_shard", f"fragment {fragment} belongs to another syncer shard; this one serves "
+                     f"fragments {list(self.settings.owned)}")
     give_up = time.monotonic() + max(timeout_s, 0.0)
     with self._lock:
       while True:
@@ -712,7 +745,7 @@ class SyncerCore:
       now = self.clock()
       uptime = now - self._started
       provisioned = max(self.settings.num_learners, len(self._members)) * uptime
-      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_owned
       live = self._live(now)
       shown = live[:STATUS_MEMBERS]
       if len(shown) < STATUS_MEMBERS:
@@ -730,9 +763,10 @@ class SyncerCore:
                                "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
                                "step_ago_s": None if m.step_at is None else now - m.step_at,
                                "last_push_ago_s": None if m.last_push is None else now - m.last_push,
-                               "steps_merged": m.steps_merged / self.settings.num_fragments}
+                               "steps_merged": m.steps_merged / self.settings.num_owned}
                       for i, m in ((i, self._members[i]) for i in sorted(shown))},
           "versions": list(self._versions),
+          "owned": [p for p in range(self.settings.num_fragments) if self.settings.owns(p)],
           "rounds": list(self._rounds),
           "open_rounds": {str(p): {"contributors": r.contributors()[:STATUS_IDS],
                                    "contributor_count": len(r.contributors()),
@@ -761,6 +795,7 @@ class SyncerCore:
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
+          "owned": None if self.settings.owned is None else list(self.settings.owned),
           # Idempotency keys of settled contributions, whose effect this state holds: [learner,
           # incarnation, sequence, checksum, fragment, round, late].
           "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late]
@@ -777,14 +812,19 @@ class SyncerCore:
     s = self.settings
     if state["fingerprint"] != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
+    owned = state.get("owned")
+    if (None if owned is None else tuple(int(p) for p in owned)) != s.owned:
+      raise ValueError(f"checkpoint of a syncer owning fragments {'all' if owned is None else list(owned)}, this "
+                       f"one owns {'all' if s.owned is None else list(s.owned)} (another shard's workdir, or "
+                       f"another shard count)")
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
-    if [f.size for f in fragments] != list(s.sizes):
-      raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
+    if [f.size for f in fragments] != list(s.held_sizes):
+      raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.held_sizes)}")
     momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
     global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
     momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
     versions = [int(v) for v in state["versions"]]
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+    downlink = Downlink.restore(state, s.held_sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
                                 threads=s.merge_threads)
     with self._lock:
       self._globals = fragments

@@ -1,0 +1,157 @@
+"""The sharded syncer: fragment placement, shard cores, the sharded transport (in process and over gRPC)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import helpers
+from diloco_jax import placement
+from diloco_jax.protocol import Rejected
+from diloco_jax.transports.inprocess import InProcessTransport
+from diloco_jax.transports.sharded import ShardedTransport, combine_status, parse_targets
+
+SIZES = (40, 24, 56, 16)
+
+
+def test_placement_is_balanced_deterministic_and_total():
+  assert placement.assign_shards(SIZES, 2) == [[2, 3], [0, 1]]  # 56 | 40, 24 | then 16 to the lighter
+  assert placement.shard_of(SIZES, 2) == [1, 1, 0, 0]
+  assert placement.shard_of(SIZES, 1) == [0, 0, 0, 0]
+  assert sorted(p for s in placement.assign_shards(SIZES, 3) for p in s) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="shards must be in"):
+    placement.assign_shards(SIZES, 5)
+
+
+def _cores(shards: int, **kw):
+  clock = helpers.FakeClock()
+  owned = placement.assign_shards(SIZES, shards) if shards > 1 else [None]
+  cores = [helpers.make_core(SIZES, codec="int4", downlink="int4", k=2, max_grace_s=0.0, clock=clock,
+                             owned=None if o is None else tuple(o), **kw) for o in owned]
+  return cores, clock
+
+
+def _drive(shards: int) -> tuple[list[np.ndarray], list[bytes]]:
+  """Three rounds of pushes from two learners on every fragment, on one core or on `shards` shard cores
+  (each push to its fragment's owner, membership calls to all); the globals and the last answers."""
+  cores, clock = _cores(shards)
+  owner = placement.shard_of(SIZES, shards)
+  for core in cores:
+    for i in (0, 1):
+      core.join(i, helpers.FP)
+  rng = np.random.default_rng(7)
+  for r in range(3):
+    for p, n in enumerate(SIZES):
+      for i in (0, 1):
+        clock.t += 0.1
+        core = cores[owner[p]]
+        core.push(helpers.make_push(i, 0.01 * rng.standard_normal(n), core=core, fragment=p, base_version=r,
+                                    steps=10, tokens=100 + 10 * i))
+      for core in cores:
+        core.tick()
+  globals_ = [cores[owner[p]].global_fragments()[p] for p in range(len(SIZES))]
+  answers = [bytes(cores[owner[p]].pull(p, 3, have_version=2, have_epoch=0).payload) for p in range(len(SIZES))]
+  for p in range(len(SIZES)):
+    assert cores[owner[p]].status()["versions"][p] == 3
+  return globals_, answers
+
+
+def test_one_core_and_two_shard_cores_give_bitwise_identical_globals():
+  one, one_answers = _drive(1)
+  two, two_answers = _drive(2)
+  for a, b in zip(one, two):
+    assert a.dtype == b.dtype == np.float32 and a.tobytes() == b.tobytes()
+  assert one_answers == two_answers
+  assert not all(np.array_equal(a, b) for a, b in zip(one, _cores(1)[0][0].global_fragments()))  # it moved
+
+
+def test_a_shard_core_holds_and_serves_only_its_fragments():
+  cores, _ = _cores(2)
+  shard0 = cores[0]  # owns fragments 2 and 3
+  assert [g.size for g in shard0.global_fragments()] == [0, 0, 56, 16]
+  assert shard0.join(0, helpers.FP) == {2: 0, 3: 0}
+  assert shard0.status()["owned"] == [2, 3]
+  with pytest.raises(Rejected, match="another syncer shard") as e:
+    shard0.push(helpers.make_push(0, np.zeros(40), core=shard0, fragment=0))
+  assert e.value.reason == "wrong_shard" and shard0.counters["rejected"]["wrong_shard"] == 1
+  with pytest.raises(Rejected) as e:
+    shard0.pull(1, 0)
+  assert e.value.reason == "wrong_shard"
+  # A shard's checkpoint holds only its fragments, and only that shard restores it.
+  state = shard0.state_dict()
+  assert [np.asarray(f).size for f in state["fragments"]] == [0, 0, 56, 16]
+  with pytest.raises(ValueError, match="owning fragments"):
+    cores[1].load_state_dict(state)
+  fresh, _ = _cores(2)
+  fresh[0].load_state_dict(state)
+  unsharded, _ = _cores(1)
+  with pytest.raises(ValueError, match="owning fragments"):
+    unsharded[0].load_state_dict(state)
+
+
+def test_sharded_transport_routes_fragments_and_fans_out_membership():
+  cores, _ = _cores(2, lease_s=30.0)
+  owners = placement.shard_of(SIZES, 2)
+  t = ShardedTransport([InProcessTransport(c) for c in cores], owners)
+  assert t.join(0, helpers.FP) == {0: 0, 1: 0, 2: 0, 3: 0}
+  assert all(c.live_learners() == [0] for c in cores)
+  receipt = t.push(helpers.make_push(0, np.full(56, 0.01), core=cores[0], fragment=2))
+  assert receipt.fragment == 2 and cores[0].status()["versions"][2] == 1  # the only live learner: merged
+  assert t.pull(3, 0).fragment == 3
+  t.heartbeat(0, 0.5, step=7)
+  assert all(c.status()["members"]["0"]["step"] == 7 for c in cores)
+  status = t.status()
+  assert status["owned"] == [0, 1, 2, 3] and len(status["shards"]) == 2 and status["live"] == [0]
+  assert status["counters"]["joins"] == 2  # one join per shard
+  t.leave(0)
+  assert all(c.live_learners() == [] for c in cores)
+  # Addresses in the wrong order: the shards' join answers disagree with the map, refused by name.
+  wrong = ShardedTransport([InProcessTransport(c) for c in reversed(cores)], owners)
+  with pytest.raises(Rejected, match="shard order") as e:
+    wrong.join(1, helpers.FP)
+  assert e.value.reason == "wrong_shard"
+
+
+def test_a_shard_that_forgot_the_learner_is_joined_again_by_the_heartbeat():
+  cores, _ = _cores(2)
+  t = ShardedTransport([InProcessTransport(c) for c in cores], placement.shard_of(SIZES, 2))
+  t.join(0, helpers.FP)
+  restarted, _ = _cores(2)  # shard 1 restarts: its new core knows no members
+  t.shards[1] = InProcessTransport(restarted[1])
+  t.heartbeat(0, 0.5)
+  assert restarted[1].live_learners() == [0] and restarted[1].counters["joins"] == 1
+
+
+def test_a_stuck_shard_does_not_hold_up_the_other_shards_heartbeats():
+  cores, _ = _cores(2)
+  t = ShardedTransport([InProcessTransport(c) for c in cores], placement.shard_of(SIZES, 2))
+  t.join(0, helpers.FP)
+  release = threading.Event()
+
+  class Stuck(InProcessTransport):
+
+    def heartbeat(self, *args, **kwargs):
+      release.wait(30)  # a shard that is down: its client retries
+
+  t.shards[1] = Stuck(cores[1])
+  try:
+    for step in (1, 2, 3):
+      t.heartbeat(0, 0.5, step=step)  # returns although shard 1's first beat is still in flight
+      assert cores[0].status()["members"]["0"]["step"] == step
+  finally:
+    release.set()
+    t.close()
+
+
+def test_parse_targets_and_combine_status():
+  assert parse_targets("h:1,h:2") == ["h:1", "h:2"]
+  for bad in ("h:1,h", "h:1,h:1", ""):
+    with pytest.raises(ValueError, match="--syncer"):
+      parse_targets(bad)
+  a = {"versions": [0, 5, 0], "owned": [1], "live": [0, 1], "counters": {"rounds": 5, "rejected": {"x": 1}},
+       "open_rounds": {"1": {}}, "fingerprint": "f"}
+  b = {"versions": [3, 0, 4], "owned": [0, 2], "live": [1], "counters": {"rounds": 7, "rejected": {"x": 2}},
+       "open_rounds": {}, "fingerprint": "f"}
+  combined = combine_status([a, b])
+  assert combined["versions"] == [3, 5, 4] and combined["live"] == [1]
+  assert combined["counters"] == {"rounds": 12, "rejected": {"x": 3}} and combined["open_rounds"] == {"1": {}}
