@@ -147,9 +147,8 @@ def syncer_checkpoint_dir(syncer_workdir: str | pathlib.Path) -> pathlib.Path:
   return nested if nested.is_dir() else workdir
 
 
-def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tuple[Any, dict] | None:
-  """(the global model as host arrays, checkpoint info) from the latest checkpoint of the syncer that ran
-  with `config` and `run_id`; None when there is no checkpoint. Raises ValueError for another run's."""
+def _latest_state(syncer_workdir: str | pathlib.Path) -> tuple[dict, dict] | None:
+  """(state dict, info) of a syncer's latest checkpoint; None when there is none."""
   directory = syncer_checkpoint_dir(syncer_workdir)
   if not directory.is_dir():
     return None
@@ -157,9 +156,37 @@ def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tu
   try:
     if checkpointer.latest_step() is None:
       return None
-    state, info = checkpointer.restore()
+    return checkpointer.restore()
   finally:
     checkpointer.close()
+
+
+def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | pathlib.Path], run_id: str
+                  ) -> tuple[Any, dict] | None:
+  """(the global model as host arrays, checkpoint info) from the latest checkpoint of the syncer that ran
+  with `config` and `run_id`; None when there is no checkpoint. Raises ValueError for another run's.
+
+  A sharded syncer: `syncer_workdirs` lists every shard's workdir (any order); each fragment comes from the
+  shard that owns it, and a fragment no shard's checkpoint holds raises ValueError."""
+  workdirs = [syncer_workdirs] if isinstance(syncer_workdirs, (str, pathlib.Path)) else list(syncer_workdirs)
+  found = [_latest_state(w) for w in workdirs]
+  if any(f is None for f in found):
+    return None
+  state, info = found[0]
+  if len(found) > 1:
+    num = len(state["fragments"])
+    fragments, versions, seen = [None] * num, [0] * num, set()
+    for (shard_state, _), workdir in zip(found, workdirs):
+      owned = shard_state.get("owned")
+      for p in range(num) if owned is None else owned:
+        fragments[p], versions[p] = shard_state["fragments"][p], shard_state["versions"][p]
+        seen.add(p)
+      if shard_state["fingerprint"] != state["fingerprint"]:
+        raise ValueError(f"the syncer checkpoints in {workdirs} are of different runs")
+    if len(seen) != num:
+      raise ValueError(f"no checkpoint in {workdirs} holds fragments {sorted(set(range(num)) - seen)}")
+    state = {"fingerprint": state["fingerprint"], "fragments": fragments, "versions": versions}
+    info = {"step": [i["step"] for _, i in found], "rounds": sum(i["rounds"] for _, i in found)}
   cpu_mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
   _, template = model_lib.abstract_model(config.model, cpu_mesh)
   params = build.global_params_from_state(config, state, run_id, template)
@@ -167,8 +194,8 @@ def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tu
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer)",
-                      flag_values=fv, required=True)
+  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer); "
+                      "a sharded syncer's: every shard's, comma-separated", flag_values=fv, required=True)
   flags.DEFINE_string("run-id", "", "the run's id (the syncer's --run-id; `local` uses 'local', `train` "
                       "'in-process')", flag_values=fv)
   flags.DEFINE_string("out", None, "model directory to write (local or gs://)", flag_values=fv, required=True)
@@ -180,7 +207,7 @@ def main(argv) -> int:
   config = cli.validated(fv.config, None, learners=True, data=False)
   run_id = fv["run-id"].value
   try:
-    found = syncer_params(config, fv["syncer-workdir"].value, run_id)
+    found = syncer_params(config, fv["syncer-workdir"].value.split(","), run_id)
   except ValueError as e:
     raise cli.UsageError(f"--config/--run-id: {e}") from None
   if found is None:

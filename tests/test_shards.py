@@ -8,6 +8,7 @@ import pytest
 import helpers
 from diloco_jax import placement
 from diloco_jax.protocol import Rejected
+from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.inprocess import InProcessTransport
 from diloco_jax.transports.sharded import ShardedTransport, combine_status, parse_targets
 
@@ -65,7 +66,7 @@ def test_one_core_and_two_shard_cores_give_bitwise_identical_globals():
   assert not all(np.array_equal(a, b) for a, b in zip(one, _cores(1)[0][0].global_fragments()))  # it moved
 
 
-def test_a_shard_core_holds_and_serves_only_its_fragments():
+def test_a_shard_core_holds_serves_and_checkpoints_only_its_fragments(tmp_path):
   cores, _ = _cores(2)
   shard0 = cores[0]  # owns fragments 2 and 3
   assert [g.size for g in shard0.global_fragments()] == [0, 0, 56, 16]
@@ -77,16 +78,23 @@ def test_a_shard_core_holds_and_serves_only_its_fragments():
   with pytest.raises(Rejected) as e:
     shard0.pull(1, 0)
   assert e.value.reason == "wrong_shard"
-  # A shard's checkpoint holds only its fragments, and only that shard restores it.
-  state = shard0.state_dict()
-  assert [np.asarray(f).size for f in state["fragments"]] == [0, 0, 56, 16]
+  # A shard's checkpoint (orbax, on disk) holds only its fragments, and only that shard restores it.
+  cores[0].push(helpers.make_push(0, np.full(56, 0.01), core=shard0, fragment=2))  # the only member: merged
+  ckpt = checkpoint.SyncerCheckpointer(tmp_path / "ckpt", async_save=False)
+  checkpoint.save_core(ckpt, shard0, rounds=1)
+  state, _ = ckpt.restore()
+  ckpt.close()
+  assert [None if f is None else np.asarray(f).size for f in state["fragments"]] == [None, None, 56, 16]
   with pytest.raises(ValueError, match="owning fragments"):
     cores[1].load_state_dict(state)
-  fresh, _ = _cores(2)
-  fresh[0].load_state_dict(state)
   unsharded, _ = _cores(1)
   with pytest.raises(ValueError, match="owning fragments"):
     unsharded[0].load_state_dict(state)
+  fresh, _ = _cores(2)
+  fresh[0].load_state_dict(state)
+  assert fresh[0].status()["versions"] == [0, 0, 1, 0]
+  assert fresh[0].global_fragments()[2].tobytes() == shard0.global_fragments()[2].tobytes()
+  assert fresh[0].pull(2, 1).version == 1
 
 
 def test_sharded_transport_routes_fragments_and_fans_out_membership():

@@ -787,9 +787,10 @@ class SyncerCore:
     that progress on (their deltas are measured from their base), so only the steps in dropped pushes are
     lost."""
     with self._lock:
+      held = self.settings.owns  # another shard's fragment is None (orbax saves no zero-size array)
       return {
-          "fragments": [g.copy() for g in self._globals],
-          "opt_states": [m.copy() for m in self._momenta],
+          "fragments": [g.copy() if held(p) else None for p, g in enumerate(self._globals)],
+          "opt_states": [m.copy() if held(p) else None for p, m in enumerate(self._momenta)],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
@@ -800,8 +801,15 @@ class SyncerCore:
           # incarnation, sequence, checksum, fragment, round, late].
           "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late]
                         for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
-          **self._downlink.state_dict(),
+          **self._held_only(self._downlink.state_dict()),
       }
+
+  def _held_only(self, downlink_state: dict) -> dict:
+    # The downlink's references of other shards' fragments (zero-length) as None, like the fragments.
+    refs = downlink_state["references"]
+    if refs is not None:
+      refs = [r if self.settings.owns(p) else None for p, r in enumerate(refs)]
+    return {**downlink_state, "references": refs}
 
   def load_state_dict(self, state: dict) -> None:
     """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept.
@@ -817,6 +825,10 @@ class SyncerCore:
       raise ValueError(f"checkpoint of a syncer owning fragments {'all' if owned is None else list(owned)}, this "
                        f"one owns {'all' if s.owned is None else list(s.owned)} (another shard's workdir, or "
                        f"another shard count)")
+    empty = np.zeros(0, np.float32)  # what a shard's checkpoint holds (None) for another shard's fragment
+    held = lambda xs: None if xs is None else [empty if x is None else x for x in xs]
+    state = {**state, "fragments": held(state["fragments"]), "opt_states": held(state["opt_states"]),
+             "references": held(state.get("references"))}
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.held_sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.held_sizes)}")
