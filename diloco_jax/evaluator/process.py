@@ -53,8 +53,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
 
 def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "", tls: dict | None = None,
         poll_s: float = 1.0, stop: threading.Event | None = None, quiet: bool = False) -> dict:
-  """Evaluate the global model of the syncer at `targets` (one per shard) on schedule until `stop` is set; then once more
-  if it moved. Returns the summary (also `<workdir>/summary.json`)."""
+  """Evaluate the global model of the syncer at `targets` (one address per shard) on schedule until `stop` is
+  set; then once more if it moved. Returns the summary (also `<workdir>/summary.json`)."""
   stop = stop or threading.Event()
   devices = cli.devices(config.learners.devices, "evaluator")[:config.learners.devices]
   config_lib.save_resolved(config, workdir, run_id)

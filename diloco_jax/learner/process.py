@@ -152,8 +152,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
 def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str, run_id: str = "",
         num_devices: int | None = None, tls: dict | None = None, quiet: bool = False,
         checkpoint_dir: str | None = None) -> dict:
-  """Train one learner against the syncer at `targets` (one address per shard) until `train.steps` or a signal; returns the
-  summary (also written to `<workdir>/summary.json`)."""
+  """Train one learner against the syncer at `targets` (one address per shard) until `train.steps` or a
+  signal; returns the summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
   k = num_devices or config.learners.devices
   devices = jax.devices()
