@@ -110,6 +110,7 @@ class ShardedTransport:
     self._fingerprint: str | None = None  # from `join`: a shard that forgot the learner is joined again
     self._lock = threading.Lock()
     self._beats: list[concurrent.futures.Future | None] = [None] * len(shards)
+    self._beats_reported: set[int] = set()  # shards whose latest beat's error the caller got
     self._beat_pool = concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="shard-heartbeat")
     self._calls = concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="shard-call")
 
@@ -181,17 +182,22 @@ class ShardedTransport:
   def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
     """Renew the lease on every shard whose previous beat has finished (module docstring); waits up to
     `BEAT_WAIT_S` for the beats it started and raises the first error among those that finished."""
-    started = []
+    started = {}
     with self._lock:
       for s, shard in enumerate(self.shards):
         previous = self._beats[s]
         if previous is not None and not previous.done():
           continue  # still retrying a shard that is down: the other shards' beats go on
+        if previous is not None and previous.exception() is not None and s not in self._beats_reported:
+          log.warning("heartbeat to syncer shard %d failed: %s", s, previous.exception())  # after the wait
         self._beats[s] = self._beat_pool.submit(self._beat, shard, learner_id, step_time_s, step)
-        started.append(self._beats[s])
-    done, _ = concurrent.futures.wait(started, timeout=BEAT_WAIT_S)
-    for f in started:
+        started[s] = self._beats[s]
+      self._beats_reported = set()
+    done, _ = concurrent.futures.wait(started.values(), timeout=BEAT_WAIT_S)
+    for s, f in started.items():
       if f in done and f.exception() is not None:
+        with self._lock:
+          self._beats_reported.add(s)
         raise f.exception()
 
   # ---- fragments ----
