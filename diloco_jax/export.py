@@ -172,21 +172,23 @@ def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | p
   found = [_latest_state(w) for w in workdirs]
   if any(f is None for f in found):
     return None
-  state, info = found[0]
-  if len(found) > 1:
-    num = len(state["fragments"])
-    fragments, versions, seen = [None] * num, [0] * num, set()
-    for (shard_state, _), workdir in zip(found, workdirs):
-      owned = shard_state.get("owned")
-      for p in range(num) if owned is None else owned:
-        fragments[p], versions[p] = shard_state["fragments"][p], shard_state["versions"][p]
-        seen.add(p)
-      if shard_state["fingerprint"] != state["fingerprint"]:
-        raise ValueError(f"the syncer checkpoints in {workdirs} are of different runs")
-    if len(seen) != num:
-      raise ValueError(f"no checkpoint in {workdirs} holds fragments {sorted(set(range(num)) - seen)}")
-    state = {"fingerprint": state["fingerprint"], "fragments": fragments, "versions": versions}
-    info = {"step": [i["step"] for _, i in found], "rounds": sum(i["rounds"] for _, i in found)}
+  first = found[0][0]
+  num = len(first["fragments"])
+  fragments, versions, seen = [None] * num, [0] * num, set()
+  for (state, _), workdir in zip(found, workdirs):
+    if state["fingerprint"] != first["fingerprint"]:
+      raise ValueError(f"the syncer checkpoints in {[str(w) for w in workdirs]} are of different runs")
+    owned = state.get("owned")  # a shard's fragments (None: every fragment, an unsharded syncer)
+    for p in range(num) if owned is None else owned:
+      fragments[p], versions[p] = state["fragments"][p], state["versions"][p]
+      seen.add(p)
+  if len(seen) != num:
+    missing = sorted(set(range(num)) - seen)
+    raise ValueError(f"no checkpoint in {[str(w) for w in workdirs]} holds fragments {missing} (a sharded "
+                     "syncer: give every shard's workdir)")
+  state = {"fingerprint": first["fingerprint"], "fragments": fragments, "versions": versions}
+  infos = [i for _, i in found]
+  info = infos[0] if len(infos) == 1 else {"step": [i["step"] for i in infos], "rounds": sum(i["rounds"] for i in infos)}
   cpu_mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
   _, template = model_lib.abstract_model(config.model, cpu_mesh)
   params = build.global_params_from_state(config, state, run_id, template)

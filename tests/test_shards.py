@@ -6,13 +6,17 @@ import subprocess
 import sys
 import threading
 
+import jax
 import numpy as np
 import pytest
 
 import helpers
+from configs import tiny_cpu
+from diloco_jax import export
 from diloco_jax import launch_local
 from diloco_jax import placement
 from diloco_jax.protocol import Rejected
+from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.inprocess import InProcessTransport
 from diloco_jax.transports.sharded import ShardedTransport, combine_status, parse_targets
@@ -221,3 +225,24 @@ def test_kill_9_of_one_shard_leaves_the_other_merging_and_it_recovers(tmp_path):
     table = lines[[i for i, line in enumerate(lines) if line.startswith("fragment")][0] + 1:]
     rows = [line.split() for line in table[:table.index("")]]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(shard, status[shard]["versions"][shard])], out
+
+
+def test_export_assembles_the_model_from_every_shards_checkpoint(tmp_path):
+  config = tiny_cpu.get_config()
+  config.learners.num = 2
+  unsharded, _ = build.build_core(config, "r")
+  shards = [build.build_core(config, "r", shard=i, shards=2)[0] for i in (0, 1)]
+  assert [c.status()["owned"] for c in shards] == [[0], [1]]
+  dirs = []
+  for i, core in enumerate(shards):
+    ckpt = checkpoint.SyncerCheckpointer(tmp_path / f"shard_{i}" / "syncer_checkpoints", async_save=False)
+    checkpoint.save_core(ckpt, core)
+    ckpt.close()
+    dirs.append(tmp_path / f"shard_{i}")
+  params, info = export.syncer_params(config, list(reversed(dirs)), "r")  # any order
+  assert info["versions"] == [0, 0] and len(info["step"]) == 2
+  template = jax.tree.map(np.asarray, params)
+  expected = build.global_params(unsharded, build.fragment_plan(config, template), template)
+  jax.tree.map(np.testing.assert_array_equal, params, expected)
+  with pytest.raises(ValueError, match=r"holds fragments \[1\]"):
+    export.syncer_params(config, dirs[:1], "r")
