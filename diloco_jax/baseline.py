@@ -16,6 +16,7 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import data as data_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import trainer as trainer_lib
@@ -26,11 +27,19 @@ def ring_allreduce_bytes(num_params: int, workers: int, bytes_per_param: int = 4
   return 2.0 * (workers - 1) / workers * num_params * bytes_per_param
 
 
+def make_trainer(config, workdir: str | None) -> trainer_lib.MeshTrainer:
+  """The baseline's trainer: one mesh of all (or `mesh.num_devices`) devices, the whole global batch, read
+  in `data.baseline_order`."""
+  devices = jax.devices()[: config.mesh.num_devices or None]
+  batches = data_lib.baseline_iterator(config.data, num_learners=config.learners.num, seed=config.seed)
+  return trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch,
+                                 data_iterator=batches)
+
+
 def run(config, workdir: str, *, quiet: bool = False) -> dict:
   """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json)."""
-  devices = jax.devices()[: config.mesh.num_devices or None]
   t0 = time.perf_counter()
-  trainer = trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch)
+  trainer = make_trainer(config, workdir)
   resumed = trainer.restore()
   workers = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
   params = trainer.num_params
