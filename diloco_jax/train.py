@@ -72,7 +72,23 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
   results: list[dict | None] = [None] * num
   errors: list[BaseException] = []
 
-  def on_step():
+  log = metrics_lib.MetricsLog(workdir)  # the global model's eval loss, every train.eval_every steps
+  if initial_eval is not None:
+    log.write({"step": 0, "tokens": 0, "eval_loss": initial_eval})
+
+  def evaluate_global():
+    # Learner 0's thread, between its steps: the global model as the syncer holds it now, against the
+    # tokens all learners have trained on so far.
+    trainer0 = learners[0].trainer
+    params = jax.device_put(global_params(core, plan, jax.tree.map(np.asarray, trainer0.state.params)),
+                            trainer0.shardings.params)
+    log.write({"step": trainer0.step, "tokens": sum(l.trainer.tokens for l in learners),
+               "eval_loss": trainer0.evaluate(params)})
+
+  def on_step(i):
+    step = learners[i].trainer.step
+    if i == 0 and step % config.train.eval_every == 0 and step < config.train.steps:
+      evaluate_global()
     if bar is not None:
       with bar_lock:
         bar.update(1)
@@ -84,7 +100,7 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
 
   def work(i):
     try:
-      results[i] = loop_lib.run_learner(learners[i], on_step=on_step, should_stop=lambda: bool(errors))
+      results[i] = loop_lib.run_learner(learners[i], on_step=lambda: on_step(i), should_stop=lambda: bool(errors))
     except BaseException as e:  # noqa: BLE001 - reported below, and stops the other learners
       errors.append(e)
 
@@ -108,6 +124,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
   final = jax.device_put(global_params(core, plan, jax.tree.map(np.asarray, trainer0.state.params)),
                          trainer0.shardings.params)
   final_eval = trainer0.evaluate(final)
+  log.write({"step": config.train.steps, "tokens": sum(r["tokens"] for r in results), "eval_loss": final_eval})
+  log.close()
   status = core.status()
   counters = status["counters"]
   wall = time.perf_counter() - t0
