@@ -11,8 +11,6 @@ from typing import Callable
 from absl import flags
 from ml_collections import config_flags
 
-from diloco_jax import config as config_lib
-
 
 class UsageError(SystemExit):
   """A bad flag or config field: printed without a traceback, exit status 2."""
@@ -23,12 +21,13 @@ class UsageError(SystemExit):
 
 
 CACHE_ENV = "DILOCO_JAX_CACHE"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def enable_compilation_cache() -> None:
   """Reuse compiled XLA programs across runs (the same shapes recompile in seconds otherwise, minutes on
   big models). Directory: $DILOCO_JAX_CACHE, default ~/.cache/diloco_jax/xla; set it empty to disable."""
-  import jax
+  import jax  # lazy: commands without jax (sim, the launcher's help) start without importing it
 
   path = os.environ.get(CACHE_ENV, str(pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"))
   if path:
@@ -37,38 +36,102 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def devices(count: int, command: str) -> list:
+  """`jax.devices()`, with `count` fake CPU devices when the CPU is the only backend.
+
+  Call before anything starts jax's backend. Unless the user chose a CPU device count (XLA_FLAGS with
+  --xla_force_host_platform_device_count, or $JAX_NUM_CPU_DEVICES), this sets `jax_num_cpu_devices` to
+  `count` and, if the CPU turns out to be the only platform, says so in one line on stderr. On a machine
+  with accelerators the setting only shapes the host's CPU backend, which no training step uses.
+  """
+  import jax  # lazy: see enable_compilation_cache
+
+  chosen = DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES")
+  asked = False
+  if not chosen:
+    try:
+      jax.config.update("jax_num_cpu_devices", int(count))
+      asked = True
+    except RuntimeError:  # the backend already started (an embedding program chose its devices)
+      pass
+  available = jax.devices()
+  if asked and available[0].platform == "cpu":
+    print(f"{command}: no accelerator: running on {len(available)} fake CPU devices (jax_num_cpu_devices); "
+          f"XLA_FLAGS={DEVICE_COUNT_FLAG}=N chooses another count", file=sys.stderr, flush=True)
+  return available
+
+
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
-          config_required: bool = True, doc: str = "") -> flags.FlagValues:
-  """Parse `argv` (argv[0] is the program name) into a fresh FlagValues with `--config`.
+          doc: str = "", *, config: bool = True) -> flags.FlagValues:
+  """`parse_with_args` without the positional arguments."""
+  return parse_with_args(argv, define_extra, doc, config=config)[0]
+
+
+def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
+                    doc: str = "", *, config: bool = True) -> tuple[flags.FlagValues, list[str]]:
+  """Parse `argv` (argv[0] is the program name) into a fresh FlagValues, with a required `--config` (and
+  the XLA compilation cache on) unless `config=False` (commands that train nothing). Returns the flags and
+  the positional arguments.
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0.
+  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
+  command without a model (the simulator) gets only its own flags, and jax is not imported.
   """
-  enable_compilation_cache()
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
-                                  "--config.<field>=<value> overrides a field.",
-                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  if config:
+    enable_compilation_cache()
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+                                    "--config.<field>=<value> overrides a field.",
+                                    flag_values=fv, lock_config=True, sys_argv=argv)
   if define_extra:
     define_extra(fv)
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    print(f"{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc else fv.get_help())
+    print(f"usage: {argv[0]} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
+          else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
   try:
-    fv(argv)
+    args = fv(argv)[1:]
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
     detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
-    raise UsageError(f"bad config override among {overrides}: {detail}") from None
-  if config_required and fv.config is None:
+    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    if any(part in detail for o in overrides for part in o.split(".")[1:]):
+      raise UsageError(f"bad config override among {overrides}: {detail}") from None
+    raise UsageError(f"{detail} (see {argv[0]} --help)") from None
+  if config and fv.config is None:
     raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
-  return fv
+  return fv, args
 
 
-def validated(config, num_devices: int | None, *, learners: bool):
-  """config_lib.validate with a clean exit instead of a traceback."""
+def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
+  """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
+  the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
+  # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
+  from diloco_jax import config as config_lib
+  from diloco_jax import data as data_lib
+
   try:
     config_lib.validate(config, num_devices, learners=learners)
+    if learners:
+      check_fragment_plan(config)
+    if data:
+      data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
   return config
+
+
+def check_fragment_plan(config) -> None:
+  """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
+  that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
+  from diloco_jax import config as config_lib  # lazy, as in `validated`
+  from diloco_jax import fragments
+  from diloco_jax import model
+
+  o = config.outer
+  try:
+    fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
+  except ValueError as e:
+    message = str(e)
+    field = next((f for f in ("outer.sync_every", "outer.fragment_plan") if message.startswith(f)),
+                 "outer.num_fragments")
+    raise config_lib.ConfigError(f"config.{field}: {message}") from None

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import mesh as mesh_lib
 
@@ -177,8 +176,11 @@ def abstract_model(model_cfg, mesh):
   return graphdef, nnx.to_pure_dict(abstract)
 
 
-def param_shardings(model_cfg, mesh) -> Params:
-  return jax.tree.map(lambda a: a.sharding, abstract_model(model_cfg, mesh)[1])
+def abstract_params(model_cfg) -> Params:
+  """The parameters' shapes and dtypes only (ShapeDtypeStructs, on one CPU device): plans and sizes of a
+  model of any size, with no array allocated."""
+  mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
+  return abstract_model(model_cfg, mesh)[1]
 
 
 def init_params(model_cfg, mesh, seed: int = 0):

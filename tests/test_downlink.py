@@ -11,33 +11,22 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
+from configs import tiny_cpu
 from diloco_jax import codec
+from diloco_jax import fragments as fragments_lib
+from diloco_jax import inprocess
+from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import checkpoint
-from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer.policy import QuorumPolicy
 
-FP = "fp-downlink"
+FP = helpers.FP
 N = 300
 BLOCK = 16
 
 
-class FakeClock:
-
-  def __init__(self, t=0.0):
-    self.t = t
-
-  def __call__(self):
-    return self.t
-
-
 def make_core(downlink="int4", sizes=(N,)):
   # One learner, K=1: every push closes its round at once (everyone live has contributed).
-  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec="fp32",
-                                     downlink_codec=downlink, block=BLOCK, outer_lr=0.7, outer_momentum=0.9,
-                                     policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0), fingerprint=FP)
-  rng = np.random.default_rng(0)
-  c = core_lib.SyncerCore(settings, [rng.standard_normal(n).astype(np.float32) for n in sizes],
-                          clock=FakeClock())
+  c = helpers.make_core(sizes, downlink=downlink, block=BLOCK, clock=helpers.FakeClock())
   c.join(0, FP)
   return c
 
@@ -46,8 +35,7 @@ def commit(c, rng, fragment=0):
   """One round: a random outer gradient from learner 0 against the current version."""
   version = c.status()["versions"][fragment]
   delta = (0.05 * rng.standard_normal(c.settings.sizes[fragment])).astype(np.float32)
-  payload = codec.encode(delta, "fp32")
-  c.push(core_lib.Push(0, FP, fragment, version, 5, 100, "fp32", payload, codec.checksum(payload)))
+  c.push(helpers.make_push(0, delta, core=c, fragment=fragment, base_version=version, steps=5))
   assert c.status()["versions"][fragment] == version + 1
 
 
@@ -223,69 +211,29 @@ def test_version_zero_reference_is_the_same_in_every_epoch():
                                 c.reference(0)[1])
 
 
-def test_comms_passes_the_epoch_and_refuses_a_delta_from_another():
-  from diloco_jax.learner import comms as comms_lib
-
-  c = make_core()
-  for seed in (13, 14):
-    commit(c, np.random.default_rng(seed))
-
-  class Recording:
-    """Serves the core's answers, or `forged` when set, and records what each pull said it holds."""
-
-    def __init__(self):
-      self.forged = None
-      self.asked = []
-
-    def pull(self, fragment, min_version, timeout_s, have_version=-1, have_epoch=0):
-      self.asked.append((have_version, have_epoch))
-      return self.forged or c.pull(fragment, min_version, have_version=have_version, have_epoch=have_epoch)
-
-  transport = Recording()
-  comms = comms_lib.Comms(transport, 0, FP, codec="fp32", downlink_codec="int4", block=BLOCK, sizes=(N,),
-                          max_in_flight=1, heartbeat_s=60.0)
-  try:
-    published, _ = comms.fetch(0, 2, have_version=1, have_epoch=c.epoch)
-    assert (published.kind, published.epoch) == ("delta", c.epoch)
-    published, _ = comms.fetch(0, 2, have_version=1, have_epoch=c.epoch + 1)
-    assert (published.kind, published.epoch) == ("full", c.epoch)
-    assert transport.asked == [(1, c.epoch), (1, c.epoch + 1)]
-    # A delta that claims our version but another epoch (a confused or old syncer) must not be added.
-    transport.forged = dataclasses.replace(c.pull(0, 2, have_version=1, have_epoch=c.epoch), epoch=c.epoch + 1)
-    with pytest.raises(codec.CodecError, match="epoch"):
-      comms.fetch(0, 2, have_version=1, have_epoch=c.epoch)
-  finally:
-    comms.close(leave=False)
-
-
-def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
-  """Two learners train with an int4 downlink; each one's device base is R of the version it adopted."""
-  from configs import tiny_cpu
-  from diloco_jax import fragments as fragments_lib
-  from diloco_jax import transport as transport_lib
-  from diloco_jax.learner import loop as loop_lib
-  from diloco_jax.syncer import server as syncer_server
-
+@pytest.mark.parametrize("num_fragments", [2, 5])
+def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, num_fragments):
+  """Two learners train with an int4 downlink; each one's device base is R of the version it adopted
+  (P = 5 = H: leaves split into pieces, each piece's base rebuilt from the deltas bitwise)."""
   config = tiny_cpu.get_config()
   config.train.steps = 20
   config.outer.sync_every = 5
+  config.outer.num_fragments = num_fragments
   config.outer.downlink_codec = "int4"
   config.learners.num = 2
   config.learners.devices = 1
-  core, fingerprint = syncer_server.build_core(config, "downlink-test")
+  job = inprocess.InProcessRun(config, tmp_path, run_id="downlink-test")
+  core = job.core
   # Every reference the syncer ever held, by (fragment, version).
   refs = {(p, 0): core.reference(p)[1] for p in range(core.settings.num_fragments)}
-  commit_downlink = core._commit_downlink_locked
+  downlink = core._downlink
+  commit_downlink = downlink.commit
 
-  def recording(p):
-    commit_downlink(p)
-    refs[(p, core._versions[p])] = core._refs[p].copy()
+  def recording(p, version, theta):
+    commit_downlink(p, version, theta)
+    refs[(p, version)] = downlink.reference(p)
 
-  monkeypatch.setattr(core, "_commit_downlink_locked", recording)
-  ticker = transport_lib.Ticker(core)
-  devices = jax.devices()
-  learners = [loop_lib.Learner(config, i, devices[i:i + 1], transport_lib.InProcessTransport(core), fingerprint,
-                               str(tmp_path / f"learner_{i}"), async_checkpoints=False) for i in range(2)]
+  monkeypatch.setattr(downlink, "commit", recording)
   errors = []
 
   def work(learner):
@@ -294,7 +242,7 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
     except BaseException as e:  # noqa: BLE001 - surfaced below
       errors.append(e)
 
-  threads = [threading.Thread(target=work, args=(l,)) for l in learners]
+  threads = [threading.Thread(target=work, args=(l,)) for l in job.learners]
   for t in threads:
     t.start()
   for t in threads:
@@ -306,7 +254,7 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
     # Deltas past version 0 (at most one per learner and fragment is from R_0): the learners named the
     # syncer's epoch when they pulled.
     assert counters["pulls_delta"] > 2 * core.settings.num_fragments, counters
-    for learner in learners:
+    for learner in job.learners:
       base = jax.tree.map(np.asarray, learner.base)
       for p in range(learner.plan.num_fragments):
         held = np.asarray(fragments_lib.gather(learner.plan, base, p), np.float32)
@@ -314,6 +262,4 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch):
       assert learner.base_epoch == [core.epoch] * learner.plan.num_fragments  # set by every adoption
       assert learner.stats.adopted > 0
   finally:
-    for learner in learners:
-      learner.close(leave=True)
-    ticker.stop()
+    job.close()

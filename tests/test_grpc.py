@@ -1,41 +1,40 @@
 """The gRPC syncer service and client over real loopback sockets (ephemeral ports), with the real core."""
 
-import math
 import shutil
+import socket
 import subprocess
 import threading
 import time
 
 import grpc
+import jax
 import numpy as np
 import pytest
 
+import helpers
 from diloco_jax import codec as codec_lib
-from diloco_jax import grpc_transport
-from diloco_jax import wan as wan_lib
+from diloco_jax import wire
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
+from diloco_jax.protocol import PushReceipt, Rejected
+from diloco_jax.syncer import auth
 from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer import server as server_lib
-from diloco_jax.syncer.policy import QuorumPolicy
+from diloco_jax.syncer import service
+from diloco_jax.transports import grpc as grpc_transport
 
 TOKEN = "test-token-0123456789"
-FP = "fp-test"
+FP = helpers.FP
 SIZES = (1000, 300)
 
 
-def make_core(sizes=SIZES, codec="fp32"):
-  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec,
-                                     downlink_codec=codec, block=64,
-                                     policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0), fingerprint=FP)
-  rng = np.random.default_rng(0)
-  return core_lib.SyncerCore(settings, [rng.standard_normal(n).astype(np.float32) for n in sizes])
+def make_core(sizes=SIZES, codec="fp32", downlink_codec=None):
+  return helpers.make_core(sizes, codec=codec, downlink=downlink_codec or codec)
 
 
 @pytest.fixture
 def syncer():
   core = make_core()
-  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
   yield core, handle
   handle.stop(grace=0)
 
@@ -45,14 +44,10 @@ def client(handle, learner_id=0, **kw):
   return grpc_transport.GrpcTransport(f"127.0.0.1:{handle.port}", TOKEN, learner_id, **kw)
 
 
-def make_push(core, fragment=0, learner_id=0, scale=0.01, codec="fp32", **overrides):
+def make_push(core, fragment=0, learner_id=0, scale=0.01, **overrides):
   n = core.settings.sizes[fragment]
   delta = (scale * np.arange(n) / n).astype(np.float32)
-  payload = codec_lib.encode(delta, codec, 64)
-  fields = dict(learner_id=learner_id, fingerprint=FP, fragment=fragment, base_version=0, steps=10, tokens=640,
-                codec=codec, payload=payload, checksum=codec_lib.checksum(payload))
-  fields.update(overrides)
-  return core_lib.Push(**fields)
+  return helpers.make_push(learner_id, delta, core=core, fragment=fragment, tokens=640, **overrides)
 
 
 def test_push_pull_round_trip(syncer):
@@ -61,7 +56,7 @@ def test_push_pull_round_trip(syncer):
     assert t.join(0, FP) == {0: 0, 1: 0}
     before = core.pull(0, 0).payload
     receipt = t.push(make_push(core))
-    assert receipt == core_lib.PushReceipt(fragment=0, round=0, late=False)
+    assert receipt == PushReceipt(fragment=0, round=0, late=False)
     published = t.pull(0, 1, timeout_s=5.0)
     assert published.version == 1 and published.fragment == 0
     assert published.payload == core.pull(0, 1).payload != before
@@ -89,8 +84,9 @@ def test_long_poll_wakes_on_publish(syncer):
 def test_byte_counters_are_messages_plus_frame_headers(syncer):
   core, handle = syncer
   frame = grpc_transport.GRPC_FRAME_BYTES
-  with client(handle, chunk_bytes=1500) as t:
+  with client(handle, chunk_bytes=1500, data_plane=False) as t:  # gRPC for the payloads too
     t.join(0, FP)
+    assert t.data_port == 0
     sent0, received0 = t.bytes_sent, t.bytes_received
     assert sent0 == pb.JoinRequest(learner_id=0, fingerprint=FP).ByteSize() + frame
     push = make_push(core)
@@ -117,24 +113,26 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
                                                   timeout_s=0.0).ByteSize() + frame
 
 
-def test_delta_downlink_over_the_wire(monkeypatch):
+@pytest.mark.parametrize("data_plane", [False, True])
+def test_delta_downlink_over_the_wire(monkeypatch, data_plane):
   # int4 downlink: a learner that says it holds version 0 gets the int4 delta from R_0, with kind,
   # base_version and the syncer's epoch in the header; one that holds nothing gets the full fp32 reference.
   # Past version 0, the delta needs the epoch of the learner's reference to come back as the core's.
-  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(1000,), codec="fp32", downlink_codec="int4",
-                                     block=64, policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0),
-                                     fingerprint=FP)
   r0 = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
-  core = core_lib.SyncerCore(settings, [r0])
-  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)
+  core = helpers.make_core((1000,), downlink="int4", initial=[r0])
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
   try:
-    with client(handle) as t:
+    with client(handle, data_plane=data_plane) as t:
       t.join(0, FP)
+      assert (t.data_port != 0) == data_plane
       t.push(make_push(core))
       sent0 = t.bytes_sent
       delta = t.pull(0, 1, timeout_s=5.0, have_version=0)
-      assert t.bytes_sent - sent0 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
-                                                    timeout_s=5.0, have_version=0, have_epoch=0).ByteSize() + 5
+      request = pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1, timeout_s=5.0,
+                               have_version=0, have_epoch=0).ByteSize()
+      # gRPC: the message and its 5-byte frame; the data plane: HMAC, op and length, then the message.
+      framing = wire.MAC_BYTES + 1 + 4 if data_plane else 5
+      assert t.bytes_sent - sent0 == request + framing
       assert (delta.kind, delta.base_version, delta.version, delta.codec) == ("delta", 0, 1, "int4")
       assert delta.epoch == core.epoch
       assert len(delta.payload) == codec_lib.encoded_size(1000, "int4", 64)
@@ -194,7 +192,7 @@ def _comparable(state, *, counters=True):
     c.pop("rejected"), c.pop("contributions_rejected")
     state["counters"] = c
   return repr({k: (v if k not in ("fragments", "opt_states") else
-                   [np.asarray(x).tobytes() for x in __import__("jax").tree.leaves(v)])
+                   [np.asarray(x).tobytes() for x in jax.tree.leaves(v)])
                for k, v in state.items()})
 
 
@@ -240,7 +238,7 @@ def _bad_calls(core):
        grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("join_other_run", lambda s, m: s.Join(pb.JoinRequest(learner_id=5, fingerprint="another-run"),
                                              metadata=m),
-       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", False),
+       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("not_joined", lambda s, m: s.Push(iter([_header(good, learner_id=3)] + _chunks(good.payload)),
                                          metadata=m),
        grpc.StatusCode.FAILED_PRECONDITION, "unknown_learner", True),
@@ -299,11 +297,11 @@ def test_token_is_required_on_every_call(syncer, token):
 def test_client_translates_refusals(syncer):
   core, handle = syncer
   with client(handle) as t:
-    with pytest.raises(core_lib.Rejected) as info:
+    with pytest.raises(Rejected) as info:
       t.join(0, "another-run")
     assert info.value.reason == "fingerprint"
     t.join(0, FP)
-    with pytest.raises(core_lib.Rejected) as info:
+    with pytest.raises(Rejected) as info:
       t.push(make_push(core, checksum=123))
     assert info.value.reason == "checksum" and "CRC-32" in str(info.value)
   with grpc_transport.GrpcTransport(f"127.0.0.1:{handle.port}", "bad", 0) as t:
@@ -311,43 +309,38 @@ def test_client_translates_refusals(syncer):
       t.status()
 
 
-def test_rate_limit():
+def test_rate_limit_is_per_caller_and_the_client_backs_off():
   core = make_core()
-  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN,
-                            limits=server_lib.Limits(rate_per_s=0.5, rate_burst=3))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN,
+                         limits=service.Limits(rate_per_s=2.0, rate_burst=3))
   try:
-    with client(handle) as t:
+    with client(handle, unreachable_deadline_s=0.2, backoff_s=0.05) as t:
       t.join(0, FP)
       t.heartbeat(0, 0.1)
       t.heartbeat(0, 0.1)
-      with pytest.raises(grpc_transport.SyncerError) as info:
+      # Over the rate, within a deadline too short for the bucket to refill: given up, saying why.
+      with pytest.raises(grpc_transport.SyncerUnreachable, match="RESOURCE_EXHAUSTED.*calls/s"):
         t.heartbeat(0, 0.1)
-      assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert t.retries >= 1
+    with client(handle, unreachable_deadline_s=30.0, backoff_s=0.05) as t:
+      for _ in range(6):  # past the burst: the client backs off until the bucket refills
+        t.heartbeat(0, 0.1)
+      assert t.retries >= 1
     with client(handle, learner_id=1) as t:  # per learner: another one is not throttled
       t.join(1, FP)
+    assert handle.servicer.counters()["refused_resource_exhausted"] >= 2
   finally:
     handle.stop(grace=0)
 
 
-def test_rate_limiter_refills():
-  now = [0.0]
-  limiter = server_lib.RateLimiter(2.0, 2, clock=lambda: now[0])
-  assert [limiter.allow("a") for _ in range(3)] == [True, True, False]
-  assert limiter.allow("b")
-  now[0] += 0.5
-  assert limiter.allow("a") and not limiter.allow("a")
-
-
 def test_refuses_non_loopback_bind_without_allow_remote():
   with pytest.raises(ValueError, match="not a loopback"):
-    server_lib.serve(make_core(), "0.0.0.0:0", token=TOKEN)
-  assert server_lib.is_loopback("127.0.0.1:5") and server_lib.is_loopback("[::1]:5")
-  assert server_lib.is_loopback("localhost:5") and not server_lib.is_loopback("10.1.2.3:5")
+    service.serve(make_core(), "0.0.0.0:0", token=TOKEN)
+  assert auth.is_loopback("127.0.0.1:5") and auth.is_loopback("[::1]:5")
+  assert auth.is_loopback("localhost:5") and not auth.is_loopback("10.1.2.3:5")
 
 
 def test_retries_until_the_syncer_comes_up():
-  import socket
-
   with socket.socket() as s:  # a free port, then nobody listens on it
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -359,7 +352,7 @@ def test_retries_until_the_syncer_comes_up():
   t.close()
   core = make_core()
   handles = []
-  threading.Timer(0.5, lambda: handles.append(server_lib.serve(core, f"127.0.0.1:{port}", token=TOKEN))).start()
+  threading.Timer(0.5, lambda: handles.append(service.serve(core, f"127.0.0.1:{port}", token=TOKEN))).start()
   with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, 0, unreachable_deadline_s=20.0,
                                     backoff_s=0.05, max_backoff_s=0.2) as t:
     assert t.join(0, FP) == {0: 0, 1: 0}
@@ -370,74 +363,19 @@ def test_retries_until_the_syncer_comes_up():
 def test_64mb_fragment_passes_default_limits():
   n = 16 * 1024 * 1024  # 64 MB of float32
   core = make_core(sizes=(n,))
-  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN)  # default 4 MiB message limits
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)  # default 4 MiB message limits
   try:
     with client(handle) as t:
       t.join(0, FP)
-      delta = np.full(n, 1e-3, np.float32)
-      payload = codec_lib.encode(delta, "fp32", 64)
-      assert len(payload) == 64 << 20
-      t.push(core_lib.Push(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=1, tokens=1,
-                           codec="fp32", payload=payload, checksum=codec_lib.checksum(payload)))
+      push = helpers.make_push(0, np.full(n, 1e-3, np.float32), core=core, steps=1, tokens=1)
+      assert len(push.payload) == 64 << 20
+      t.push(push)
       published = t.pull(0, 1, timeout_s=30.0)
       assert published.version == 1 and len(published.payload) == 64 << 20
       assert published.checksum == codec_lib.checksum(published.payload)
       assert t.bytes_sent > 64 << 20 and t.bytes_received > 64 << 20
   finally:
     handle.stop(grace=0)
-
-
-# --- WAN emulation ----------------------------------------------------------------------------------------
-
-
-def test_token_bucket_arithmetic():
-  now = [0.0]
-  bucket = wan_lib.TokenBucket(rate=1000.0, burst=100.0, clock=lambda: now[0])
-  assert bucket.reserve(100) == 0.0  # the burst
-  assert math.isclose(bucket.reserve(500), 0.5)  # in debt: wait until it is paid
-  assert math.isclose(bucket.reserve(500), 1.0)  # behind the bytes already reserved
-  now[0] = 1.0
-  assert math.isclose(bucket.reserve(0), 0.0)  # paid off by t=1: no wait for nothing
-  now[0] = 10.0
-  assert bucket.reserve(100) == 0.0  # refilled, but never above the burst
-  assert math.isclose(bucket.reserve(100), 0.1)
-
-
-def test_wan_link_latency_once_per_stream():
-  sleeps = []
-  link = wan_lib.WanLink(wan_lib.WanSpec(latency_s=0.05), sleep=sleeps.append)
-  link.send(10, first=True)
-  link.send(10)
-  link.receive(10, first=True)
-  assert sleeps == [0.05, 0.05] and math.isclose(link.delay_s, 0.1)
-
-
-def test_wan_cap_limits_push_throughput(syncer):
-  core, handle = syncer
-  n = 256 * 1024  # floats: 1 MiB of fp32
-  big = make_core(sizes=(n,))
-  handle2 = server_lib.serve(big, "127.0.0.1:0", token=TOKEN)
-  cap = 4e6  # bytes/s
-  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_bytes=16 * 1024))
-  try:
-    with client(handle2) as warm:  # the first outer step compiles: keep that out of the timing
-      warm.join(0, FP)
-      warm.push(make_push(big))
-    with client(handle2, wan=link, chunk_bytes=64 * 1024) as t:
-      t.join(0, FP)
-      push = make_push(big, base_version=1)
-      sent = t.bytes_sent
-      start = time.monotonic()
-      t.push(push)
-      elapsed = time.monotonic() - start
-      moved = t.bytes_sent - sent
-      # The cap holds: beyond the burst, the bytes took at least bytes / cap seconds. (A lower bound on
-      # the rate would test this machine's load, not the code; the token bucket's exact waits are
-      # checked on a fake clock above.)
-      assert elapsed >= 0.95 * (moved - 16 * 1024) / cap, (moved, elapsed)
-      assert link.delay_s > 0
-  finally:
-    handle2.stop(grace=0)
 
 
 # --- TLS ----------------------------------------------------------------------------------------------------
@@ -465,15 +403,28 @@ def certs(tmp_path_factory):
 
 def test_mutual_tls(certs):
   core = make_core()
-  tls = server_lib.TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"),
+  tls = auth.TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"),
                              client_ca=str(certs / "ca.pem"))
-  handle = server_lib.serve(core, "127.0.0.1:0", token=TOKEN, tls=tls)
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, tls=tls)
   target = f"localhost:{handle.port}"
   try:
     with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
                                       tls_cert=str(certs / "client.pem"),
                                       tls_key=str(certs / "client.key")) as t:
       assert t.join(0, FP) == {0: 0, 1: 0}
+      # Payloads take the data plane, under TLS with the same certificates (not the gRPC fallback).
+      assert t.data_port == handle.data_plane.port
+      t.push(make_push(core))
+      assert t.pull(0, 1, timeout_s=5.0).payload == core.pull(0, 1).payload
+      assert handle.servicer.counters()["data_pushes"] == 1 and handle.servicer.counters()["data_pulls"] == 1
+    # A plaintext connection to the TLS data port gets no hello, and the core sees nothing.
+    with socket.create_connection(("127.0.0.1", handle.data_plane.port), timeout=5) as raw:
+      raw.sendall(b"\x00" * 64)
+      try:
+        assert not raw.recv(64).startswith(b"DLCD")
+      except (ConnectionError, socket.timeout):
+        pass
+    assert core.status()["versions"] == [1, 0]
     # Without a client certificate the handshake fails (reported as UNAVAILABLE: retried, then given up).
     with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
                                       unreachable_deadline_s=0.3, backoff_s=0.1) as t:

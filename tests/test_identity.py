@@ -6,7 +6,7 @@ gradient) the average of the M learners' steps is one SGD step on the mean of th
 mean of M equal-sized batch means is the mean over their concatenation: the data-parallel SGD step on that
 global batch. The baseline reads its batches with `data.baseline_order = "learner_shards"` (the default),
 so its batch at step s is exactly the learners' batches of step s side by side; both runs go through the
-real commands' code (`baseline.run`, `train.run`: the syncer core, its merges and Nesterov step, the
+real commands' code (`baseline.run`, `inprocess.run`: the syncer core, its merges and Nesterov step, the
 in-process transport, the learners' snapshots and adoptions). Any future gap between the two is therefore
 the inner optimizer's or the outer loop's, never the plumbing's.
 """
@@ -16,8 +16,8 @@ import numpy as np
 
 from diloco_jax import baseline
 from diloco_jax import config as config_lib
+from diloco_jax import inprocess
 from diloco_jax import metrics
-from diloco_jax import train
 from diloco_jax import trainer as trainer_lib
 
 
@@ -43,7 +43,7 @@ def test_learners_averaged_every_step_with_sgd_are_data_parallel_sgd(tiny_config
   c = _averaging_every_step(tiny_config, "sgd")
   c.train.lr = 0.5  # plain SGD needs a larger step than AdamW to move visibly in 12 steps
   dp = baseline.run(c, str(tmp_path / "dp"), quiet=True)
-  dl = train.run(c, str(tmp_path / "diloco"), quiet=True)
+  dl = inprocess.run(c, str(tmp_path / "diloco"), quiet=True)
   assert dl["outer_rounds"] == c.train.steps  # one merge per step: the outer loop really ran
 
   # The trajectory: at every step the data-parallel loss on the global batch is the mean of the learners'
@@ -74,7 +74,7 @@ def test_with_adamw_the_same_run_is_not_data_parallel(tiny_config, tmp_path):
   linearity, not a test that cannot fail."""
   c = _averaging_every_step(tiny_config, "adamw")
   baseline.run(c, str(tmp_path / "dp"), quiet=True)
-  train.run(c, str(tmp_path / "diloco"), quiet=True)
+  inprocess.run(c, str(tmp_path / "diloco"), quiet=True)
   dp_losses = _losses(tmp_path / "dp" / "metrics.jsonl")
   learner_losses = [_losses(tmp_path / "diloco" / f"learner_{k}" / "metrics.jsonl") for k in range(4)]
   last = c.train.steps

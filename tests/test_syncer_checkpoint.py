@@ -1,7 +1,7 @@
 """Syncer persistence: state dicts through orbax, atomic steps, and a syncer process that resumes."""
 
+import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -12,27 +12,25 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import codec as codec_lib
+import helpers
+from configs import tiny_cpu
+from diloco_jax import config as config_lib
+from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
-from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer.policy import QuorumPolicy
+from diloco_jax.transports.grpc import GrpcTransport
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-FP = "fp-ckpt"
+REPO = helpers.REPO
+FP = helpers.FP
 
 
 def make_core(sizes=(500, 200)):
-  settings = core_lib.SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec="int8",
-                                     downlink_codec="bf16", policy=QuorumPolicy(min_quorum=1, max_grace_s=0.0),
-                                     fingerprint=FP)
-  return core_lib.SyncerCore(settings, [np.linspace(-1, 1, n, dtype=np.float32) for n in sizes])
+  return helpers.make_core(sizes, codec="int8", downlink="bf16", initial="linspace")
 
 
 def push(core, fragment, base_version, scale):
   n = core.settings.sizes[fragment]
-  payload = codec_lib.encode(np.full(n, scale, np.float32), "int8", 64)
-  core.push(core_lib.Push(learner_id=0, fingerprint=FP, fragment=fragment, base_version=base_version, steps=5,
-                          tokens=100, codec="int8", payload=payload, checksum=codec_lib.checksum(payload)))
+  core.push(helpers.make_push(0, np.full(n, scale, np.float32), core=core, fragment=fragment,
+                              base_version=base_version, steps=5))
 
 
 def assert_same_state(a, b):
@@ -48,8 +46,6 @@ def test_split_join_round_trip():
            "c": {"n": 3, "f": 1.5, "flag": True}}
   arrays, skeleton = checkpoint.split_state(state)
   assert len(arrays) == 3
-  import json
-
   back = checkpoint.join_state(arrays, json.loads(json.dumps(skeleton)))
   assert back["a"][1][0] == np.float32(2.5) and isinstance(back["a"][1][0], np.float32)
   assert isinstance(back["a"][1], tuple) and back["b"][0] == "x" and back["c"] == state["c"]
@@ -112,7 +108,7 @@ def test_crash_mid_save_keeps_the_last_good_step(tmp_path):
   np.testing.assert_array_equal(state["fragments"][0], np.ones(10, np.float32))
 
 
-def _wait_for(path: pathlib.Path, proc, timeout=120.0):
+def _wait_for(path, proc, timeout=120.0):
   deadline = time.monotonic() + timeout
   while not path.exists():
     if proc.poll() is not None:
@@ -125,12 +121,6 @@ def _wait_for(path: pathlib.Path, proc, timeout=120.0):
 
 @pytest.mark.slow  # two syncer processes start (jax import, model init): ~45 s on 2 cores
 def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
-  from configs import tiny_cpu
-  from diloco_jax import config as config_lib
-  from diloco_jax import fragments
-  from diloco_jax import grpc_transport
-  from diloco_jax import model
-
   token_file = tmp_path / "token"
   token_file.write_text("s3cret-token\n")
   token_file.chmod(0o600)
@@ -144,18 +134,15 @@ def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
   config = tiny_cpu.get_config()
   config.outer.max_grace_s = 0.0
   fp = config_lib.fingerprint(config, "ckpt-test")
-  plan = fragments.make_plan(model.init_params_host(config), config.outer.num_fragments,
-                             config.outer.sync_every, config.outer.fragment_plan)
-  n = plan.size(0)
-  payload = codec_lib.encode(np.full(n, 1e-3, np.float32), config.outer.codec, config.outer.codec_block)
+  core, _ = build.build_core(config, "ckpt-test")
+  good = helpers.make_push(0, np.full(core.settings.sizes[0], 1e-3, np.float32), core=core, tokens=640)
 
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     port = _wait_for(workdir / "syncer.port", proc)
-    with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 0) as t:
+    with GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 0) as t:
       assert t.join(0, fp) == {0: 0, 1: 0}
-      t.push(core_lib.Push(learner_id=0, fingerprint=fp, fragment=0, base_version=0, steps=10, tokens=640,
-                           codec=config.outer.codec, payload=payload, checksum=codec_lib.checksum(payload)))
+      t.push(good)
       published = t.pull(0, 1, timeout_s=10.0)
       assert published.version == 1
     proc.send_signal(signal.SIGTERM)
@@ -170,7 +157,7 @@ def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     port = _wait_for(workdir / "syncer.port", proc)
-    with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 1) as t:
+    with GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 1) as t:
       assert t.join(1, fp) == {0: 1, 1: 0}
       assert t.pull(0, 1).payload == published.payload
     proc.send_signal(signal.SIGINT)

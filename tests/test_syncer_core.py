@@ -1,5 +1,7 @@
 """The syncer core with a fake clock: quorum and grace, rejections, leases, checkpoints, transports."""
 
+import functools
+import json
 import threading
 import time
 
@@ -7,45 +9,31 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from diloco_jax import codec, outer
+from diloco_jax import config as config_lib
+from diloco_jax import fragments
+from diloco_jax.protocol import Push, Rejected, Transport
 from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer.policy import QuorumPolicy, grace_window_s
-from diloco_jax.transport import InProcessTransport, Ticker, Transport
+from diloco_jax.syncer.policy import QuorumPolicy, grace_window_s, round_close_time
+from diloco_jax.syncer.ticker import Ticker
+from diloco_jax.transports.inprocess import InProcessTransport
 
-FP = "run-fp"
-
-
-class FakeClock:
-
-  def __init__(self, t=0.0):
-    self.t = t
-
-  def __call__(self):
-    return self.t
+FP = helpers.FP
+make_push = functools.partial(helpers.make_push, block=4)
 
 
-def make_core(num_learners=3, sizes=(8,), k=1, clock=None, lr=1.0, momentum=0.0, codec_name="fp32",
-              lease_s=100.0, step_time=10.0, staleness_beta=0.0, **policy):
-  settings = core_lib.SyncerSettings(
-      num_fragments=len(sizes), sizes=tuple(sizes), codec=codec_name, downlink_codec="fp32", block=4,
-      merge_rule="tokens", outer_lr=lr, outer_momentum=momentum, staleness_beta=staleness_beta,
-      policy=QuorumPolicy(min_quorum=k, **policy), lease_s=lease_s, fingerprint=FP)
-  clock = clock or FakeClock()
-  initial = [np.arange(n, dtype=np.float32) / 8 for n in sizes]
-  c = core_lib.SyncerCore(settings, initial, clock=clock)
+def make_core(num_learners=3, sizes=(8,), k=1, lr=1.0, momentum=0.0, lease_s=100.0, step_time=10.0, **kw):
+  """lr 1 / momentum 0 (the new global is the old one minus the merged delta), every learner joined and
+  reporting `step_time`; returns (core, its fake clock)."""
+  clock = helpers.FakeClock()
+  kw.setdefault("max_grace_s", 30.0)  # QuorumPolicy's own default
+  c = helpers.make_core(sizes, k=k, lr=lr, momentum=momentum, block=4, initial="arange", clock=clock,
+                        lease_s=lease_s, **kw)
   for i in range(num_learners):
     c.join(i, FP)
     c.heartbeat(i, step_time)
   return c, clock
-
-
-def make_push(learner, delta, fragment=0, base_version=0, steps=10, tokens=100, codec_name="fp32", **kw):
-  payload = codec.encode(np.asarray(delta, np.float32), codec_name, 4)
-  fields = dict(learner_id=learner, fingerprint=FP, fragment=fragment, base_version=base_version,
-                steps=steps, tokens=tokens, codec=codec_name, payload=payload,
-                checksum=codec.checksum(payload))
-  fields.update(kw)
-  return core_lib.Push(**fields)
 
 
 def global_of(c, p=0):
@@ -160,7 +148,10 @@ def _bad_pushes():
   nan[3], inf[5] = np.nan, -np.inf
   p = make_push(0, good)
   return [
-      ("unknown_learner", make_push(99, good)),
+      ("unknown_learner", make_push(5, good)),  # a learner of the run that never joined
+      ("learner_id", make_push(99, good)),  # not a learner of the run at all
+      ("learner_id", make_push(-1, good)),
+      ("learner_id", make_push(2**31 - 1, good)),
       ("fingerprint", make_push(0, good, fingerprint="other-run")),
       ("unknown_fragment", make_push(0, good, fragment=7)),
       ("unknown_fragment", make_push(0, good, fragment=-1)),
@@ -179,7 +170,7 @@ def test_malformed_pushes_rejected_without_touching_state(reason, bad):
   c, clock = make_core(num_learners=3, k=2, sizes=(8, 4))
   c.push(make_push(1, np.full(8, 0.5, np.float32)))  # an open round that must stay as it is
   before, status_before = c.state_dict(), c.status()
-  with pytest.raises(core_lib.Rejected) as e:
+  with pytest.raises(Rejected) as e:
     c.push(bad)
   assert e.value.reason == reason
   after, status_after = c.state_dict(), c.status()
@@ -199,12 +190,12 @@ def test_malformed_pushes_rejected_without_touching_state(reason, bad):
 
 def test_rejected_join_and_left_learner():
   c, clock = make_core(num_learners=2, k=1)
-  with pytest.raises(core_lib.Rejected) as e:
+  with pytest.raises(Rejected) as e:
     c.join(5, "another-run")
   assert e.value.reason == "fingerprint" and 5 not in c.live_learners()
   c.leave(1)
   assert c.live_learners() == [0]
-  with pytest.raises(core_lib.Rejected) as e:
+  with pytest.raises(Rejected) as e:
     c.push(make_push(1, np.ones(8)))
   assert e.value.reason == "not_member"
   assert c.join(1, FP) == {0: 0}  # rejoin after a crash
@@ -218,7 +209,7 @@ def test_lease_expiry_and_heartbeat_revival():
   c.heartbeat(1, 10.0)
   clock.t = 12.0  # learner 2 has been silent for 12 s > lease_s
   assert c.live_learners() == [0, 1]
-  with pytest.raises(core_lib.Rejected) as e:
+  with pytest.raises(Rejected) as e:
     c.push(make_push(2, np.ones(8)))
   assert e.value.reason == "not_member"
   c.push(make_push(0, np.ones(8)))
@@ -257,8 +248,8 @@ def test_state_dict_roundtrip():
     for p, n in ((0, 8), (1, 6)):
       for i in range(2):
         c.push(make_push(i, rng.standard_normal(n), fragment=p, base_version=v))
-  with pytest.raises(core_lib.Rejected):
-    c.push(make_push(9, np.ones(8)))
+  with pytest.raises(Rejected):
+    c.push(make_push(5, np.ones(8)))
   state = c.state_dict()
   assert state["versions"] == [3, 3] and state["rounds"] == [3, 3]
   fresh, _ = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
@@ -277,14 +268,14 @@ def test_pull_waits_and_times_out():
   c, clock = make_core(num_learners=2, k=2)
   assert c.pull(0, 1, timeout_s=0.0) is None
   assert c.pull(0, 0).version == 0
-  with pytest.raises(core_lib.Rejected):
+  with pytest.raises(Rejected):
     c.pull(3, 0)
 
 
 def test_in_process_transport_two_threads():
   settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
                                      block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
-                                     fingerprint=FP)
+                                     fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
   results, errors = {}, []
   barrier = threading.Barrier(2)
@@ -299,7 +290,7 @@ def test_in_process_transport_two_threads():
       sent = 0
       for p, n in ((0, 40), (1, 24)):
         payload = codec.encode(np.full(n, i + 1.0, np.float32), "int8", 8)
-        t.push(core_lib.Push(i, FP, p, 0, 5, 50, "int8", payload, codec.checksum(payload)))
+        t.push(Push(i, FP, p, 0, 5, 50, "int8", payload, codec.checksum(payload)))
         sent += len(payload)
       # Both hold the version-0 reference: the answers are bf16 deltas from it.
       pulled = [t.pull(p, 1, timeout_s=10.0, have_version=0) for p in range(2)]
@@ -329,13 +320,13 @@ def test_in_process_transport_two_threads():
 
 def test_ticker_closes_rounds_without_other_calls():
   settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP)
+      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
   with Ticker(core, period_s=0.01):
     payload = codec.encode(np.ones(4, np.float32), "fp32")
-    core.push(core_lib.Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+    core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
     assert core.status()["versions"] == [0]  # learner 1 may still come, inside the 50 ms grace
     give_up = time.monotonic() + 5.0
     while core.status()["versions"] == [0] and time.monotonic() < give_up:
@@ -343,12 +334,37 @@ def test_ticker_closes_rounds_without_other_calls():
   assert core.status()["versions"] == [1]
 
 
+def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+      min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
+  core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
+  core.join(0, FP)
+  core.join(1, FP)
+  real_tick, failures = core.tick, [5]
+
+  def flaky_tick():
+    if failures[0] > 0:
+      failures[0] -= 1
+      raise RuntimeError("a bug in tick")
+    return real_tick()
+
+  core.tick = flaky_tick
+  with caplog.at_level("ERROR", logger="diloco_jax.syncer.ticker"):
+    with Ticker(core, period_s=0.01) as ticker:
+      payload = codec.encode(np.ones(4, np.float32), "fp32")
+      core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+      give_up = time.monotonic() + 10.0
+      while core.status()["versions"] == [0] and time.monotonic() < give_up:
+        time.sleep(0.01)
+      assert ticker.alive
+  # The deadline-driven close still happened (nothing else ticks here), after five failed ticks.
+  assert core.status()["versions"] == [1]
+  assert core.status()["counters"]["tick_errors"] == 5
+  tracebacks = [r for r in caplog.records if r.exc_info]
+  assert len(tracebacks) == 1 and "a bug in tick" in caplog.text  # logged, at most once a minute
+
+
 def test_settings_from_config_and_status_is_json():
-  import json
-
-  from diloco_jax import config as config_lib
-  from diloco_jax import fragments
-
   cfg = config_lib.base_config()
   cfg.outer.min_quorum, cfg.outer.codec, cfg.outer.merge = 2, "int8", "tokens_sq_per_step"
   params = {"embed": {"embedding": np.zeros((4, 3))}, "layers": {0: {"w": np.zeros((3, 3))},
@@ -365,3 +381,70 @@ def test_settings_from_config_and_status_is_json():
   c.push(make_push(0, np.ones(8)))
   status = json.loads(json.dumps(c.status()))
   assert status["live"] == [0, 1] and status["open_rounds"]["0"]["contributors"] == [0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_core_closes_rounds_when_the_shared_policy_says(seed):
+  """The simulator predicts round closes with `policy.round_close_time`; the core, driven by the same
+  arrivals on a fake clock, must close at exactly those instants (or not at all when it says None)."""
+  rng = np.random.default_rng(seed)
+  live = int(rng.integers(1, 6))
+  k = int(rng.integers(1, live + 1))
+  step_time = float(rng.uniform(0.5, 3.0))
+  policy = dict(tau=int(rng.integers(0, 4)), gamma=float(rng.uniform(0.0, 0.9)),
+                max_grace_s=float(rng.uniform(0.0, 5.0)))
+  arriving = sorted(rng.choice(live, size=int(rng.integers(1, live + 1)), replace=False).tolist(),
+                    key=lambda _: rng.random())
+  arrivals = np.cumsum(rng.exponential(1.0, len(arriving))).tolist()
+  c, clock = make_core(num_learners=live, k=k, step_time=step_time, **policy)
+  expected = round_close_time(QuorumPolicy(min_quorum=k, **policy), arrivals, live, step_time, t_sync_s=0.0)
+
+  closed_at = None
+  events = list(zip(arrivals, arriving))
+  while closed_at is None:
+    deadline = c.next_deadline()
+    if deadline is not None and deadline >= clock.t + 50:
+      deadline = None  # only the leases (100 s, renewed below): the quorum was never reached
+    upcoming = [t for t, _ in events[:1]] + ([deadline] if deadline is not None else [])
+    if not upcoming:
+      break
+    now = min(upcoming)
+    clock.t = now
+    for i in range(live):  # leases stay alive (lease 100 s, but keep it explicit)
+      c.heartbeat(i, step_time)
+    if events and events[0][0] == now:
+      _, learner = events.pop(0)
+      c.push(make_push(learner, np.ones(8)))
+    c.tick()
+    if c.status()["versions"] == [1]:
+      closed_at = now
+  if expected is None:
+    assert closed_at is None
+  else:
+    assert closed_at == pytest.approx(expected, abs=1e-9), (closed_at, expected, arrivals, k, live, policy)
+
+
+@pytest.mark.parametrize("rda", [False, True])
+def test_core_rounds_match_the_unfused_outer_math(rda):
+  """The core's fused close (payloads held as they arrived, decoded, weighed, summed and stepped in one
+  chunked pass on 2 threads) against decode + `outer.merge` + optax's step, over two rounds."""
+  size, lr, mu = 5000, 0.7, 0.9
+  c = helpers.make_core((size,), codec="int4", k=3, lr=lr, momentum=mu, rda=rda, merge_threads=2,
+                        initial="linspace", max_grace_s=0.0, lease_s=100.0)
+  for i in range(3):
+    c.join(i, FP)
+  tx = outer.make_outer_optimizer(lr, mu)
+  theta = np.linspace(-1, 1, size, dtype=np.float32)
+  state = outer.init_outer_state(tx, theta)
+  rng = np.random.default_rng(0)
+  for version in range(2):
+    pushes = [helpers.make_push(i, rng.standard_normal(size) * (i + 1) * 0.01, core=c, base_version=version,
+                                tokens=100 * (i + 1), steps=10) for i in range(3)]
+    for p in pushes:
+      c.push(p)
+    decoded = [codec.decode(p.payload, "int4", size) for p in pushes]
+    weights = outer.merge_weights([p.tokens for p in pushes], [p.steps for p in pushes])
+    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, weights, rda=rda))
+    assert c.status()["versions"] == [version + 1]
+    np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)

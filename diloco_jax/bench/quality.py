@@ -20,13 +20,12 @@ import pathlib
 import shutil
 import sys
 
-import jax
 from absl import flags
 
 from diloco_jax import baseline
 from diloco_jax import cli
+from diloco_jax import inprocess
 from diloco_jax import metrics as metrics_lib
-from diloco_jax import train
 
 # The goals this benchmark reports against: DiLoCo's eval loss within this factor of data-parallel, at
 # this multiple of the config's steps (and, for any budget, at least 100x fewer bytes).
@@ -45,8 +44,8 @@ def _flags(fv):
 
 def run_pair(config, root: pathlib.Path, quiet: bool = False) -> dict:
   """Data-parallel, then Decoupled DiLoCo, on `config`; the comparison as a dict."""
-  dp = baseline.run(config, str(root / "dp"), quiet=quiet)
-  dl = train.run(config, str(root / "diloco"), quiet=quiet)
+  dp = baseline.run(config, str(root / "dp"), quiet=quiet, export=False)
+  dl = inprocess.run(config, str(root / "diloco"), quiet=quiet, export=False)
   return {
       "steps": config.train.steps,
       "dp_eval_loss": dp["final_eval_loss"], "diloco_eval_loss": dl["final_eval_loss"],
@@ -56,7 +55,7 @@ def run_pair(config, root: pathlib.Path, quiet: bool = False) -> dict:
       "tokens": dp["tokens"], "diloco_tokens": dl["tokens"], "outer_rounds": dl["outer_rounds"],
       "dp_wall_s": dp["wall_s"], "diloco_wall_s": dl["wall_s"],
       "dp_curve": _curve(root / "dp" / "metrics.jsonl"),
-      "diloco_curve": _curve(root / "diloco" / "metrics.jsonl"),
+      "diloco_curve": _curve(root / "diloco" / "global" / "metrics.jsonl"),  # the global model's
   }
 
 
@@ -143,10 +142,12 @@ def main(argv) -> int:
   config = fv.config
   budgets = _parse_budgets(fv.budgets)
   base_steps = config.train.steps
+  # The DiLoCo run's devices, which the baseline uses all of (its evaluator shares the first learner's).
+  available = len(cli.devices(config.learners.num * config.learners.devices, "bench quality"))
   for b in budgets:  # every budget's config is valid before the first run starts
     config.train.steps = b * base_steps
-    cli.validated(config, len(jax.devices()), learners=True)
-    cli.validated(config, len(jax.devices()), learners=False)
+    cli.validated(config, available, learners=True)
+    cli.validated(config, available, learners=False)
   root = pathlib.Path(fv.workdir)
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "

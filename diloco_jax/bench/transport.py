@@ -1,19 +1,20 @@
-"""`python -m diloco_jax bench transport [--mb 64] [--json]`: fragment push/pull throughput over loopback gRPC.
+"""`python -m diloco_jax bench transport [--mb 64] [--json]`: fragment push/pull throughput over loopback.
 
 For each codec (fp32/bf16/int8/int4) a fragment of `--mb` MB of float32 parameters is encoded, then pushed
 to and pulled from a syncer service running in a separate process (so that each end's memory is its own),
-through the real client (`GrpcTransport`: chunking, auth, byte counters) and the real server shell
-(`syncer/server.py`: auth, validation, reassembly). The core behind the server is a stub that checks the
+through the real client (`GrpcTransport`: auth, byte counters) and the real service (`syncer/service.py`:
+auth, validation, reassembly), twice: payloads in gRPC chunks (`grpc`), and over the service's raw-TCP data
+plane (`data`: `syncer/dataplane.py`, with gRPC as the control plane). Behind the service is a stub `SyncerAPI` that checks the
 payload's CRC-32 and serves a pre-encoded fragment: the figures are the transport's, not the outer step's.
 Beside it, the same bytes go through a raw TCP socket in the same run: the floor that gRPC is measured
 against. Peak RSS: psutil high-water marks sampled every 2 ms in each process during each codec's transfers.
 
-MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`.
+MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`, after one
+untimed transfer of each kind (a steady state reuses its payload buffers, `wire.BufferPool`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,8 +25,16 @@ import threading
 import time
 
 import numpy as np
+import psutil
+from absl import flags
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+from diloco_jax import cli
+from diloco_jax import codec as codec_lib
+from diloco_jax.codec import CODECS
+from diloco_jax.protocol import Published, Push, PushReceipt, Rejected
+from diloco_jax.syncer import service
+from diloco_jax.transports.grpc import GrpcTransport
+
 TOKEN_ENV = "DILOCO_BENCH_TOKEN"
 
 
@@ -33,8 +42,6 @@ class RssSampler:
   """Peak resident memory of this process, sampled in a daemon thread."""
 
   def __init__(self, period_s: float = 0.002):
-    import psutil
-
     self._proc = psutil.Process()
     self._peak = self._proc.memory_info().rss
     self._lock = threading.Lock()
@@ -60,18 +67,17 @@ class RssSampler:
 
 
 class _BenchCore:
-  """Stands in for SyncerCore: fragment i is CODECS[i]'s encoding of one random vector."""
+  """A `protocol.SyncerAPI` standing in for SyncerCore: fragment i is CODECS[i]'s encoding of one random
+  vector."""
 
   def __init__(self, size: int, block: int, sampler: RssSampler):
-    from diloco_jax import codec as codec_lib
-    from diloco_jax.syncer import core as core_lib
-
-    self._codec, self._core_lib, self._sampler = codec_lib, core_lib, sampler
+    self._sampler = sampler
+    self._max_payload = codec_lib.encoded_size(size, "fp32", block)
     vec = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     self._published = []
     for i, name in enumerate(CODECS):
       payload = codec_lib.encode(vec, name, block)
-      self._published.append(core_lib.Published(fragment=i, version=1, codec=name, payload=payload,
+      self._published.append(Published(fragment=i, version=1, codec=name, payload=payload,
                                                  checksum=codec_lib.checksum(payload)))
     del vec
     self.pushes = 0
@@ -82,20 +88,26 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s):
+  def heartbeat(self, learner_id, step_time_s, step=None):
     pass
 
   def push(self, push):
-    if self._codec.checksum(push.payload) != push.checksum:
-      raise self._core_lib.Rejected("checksum", "bench payload corrupted")
+    if codec_lib.checksum(push.payload) != push.checksum:
+      raise Rejected("checksum", "bench payload corrupted")
     self.pushes += 1
-    return self._core_lib.PushReceipt(fragment=push.fragment, round=self.pushes, late=False)
+    return PushReceipt(fragment=push.fragment, round=self.pushes, late=False)
 
-  def pull(self, fragment, min_version, timeout_s=0.0):
+  def pull(self, fragment, min_version, timeout_s=0.0, have_version=-1, have_epoch=0):
     return self._published[fragment]
 
   def status(self):
     return {"versions": [1] * len(CODECS), "peak_rss": self._sampler.reset()}
+
+  def max_payload_bytes(self) -> int:
+    return self._max_payload
+
+  def check_learner_id(self, learner_id) -> None:
+    pass
 
 
 def _raw_server(sock: socket.socket, size: int):
@@ -134,18 +146,15 @@ def _recv_exact(conn, n):
   return bytes(data)
 
 
-def _serve(args) -> int:
-  from diloco_jax.syncer import server as server_lib
-
+def _serve(size: int, block: int, chunk_kb: int) -> int:
   sampler = RssSampler()
-  core = _BenchCore(args.size, args.block, sampler)
-  limits = server_lib.Limits(chunk_bytes=args.chunk_kb * 1024, max_push_bytes=8 * args.size + (1 << 20),
-                             rate_per_s=0)
-  handle = server_lib.serve(core, "127.0.0.1:0", token=os.environ[TOKEN_ENV], limits=limits)
+  core = _BenchCore(size, block, sampler)
+  limits = service.Limits(chunk_bytes=chunk_kb * 1024, max_push_bytes=8 * size + (1 << 20), rate_per_s=0)
+  handle = service.serve(core, "127.0.0.1:0", token=os.environ[TOKEN_ENV], limits=limits)
   raw = socket.socket()
   raw.bind(("127.0.0.1", 0))
   raw.listen(1)
-  threading.Thread(target=_raw_server, args=(raw, 4 * args.size + 1024), daemon=True).start()
+  threading.Thread(target=_raw_server, args=(raw, 4 * size + 1024), daemon=True).start()
   print(f"{handle.port} {raw.getsockname()[1]}", flush=True)
   sys.stdin.read()  # until the client closes our stdin
   handle.stop(grace=0)
@@ -183,10 +192,6 @@ def _raw_pull(sock, n, buf):
 
 def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block: int = 64) -> list[dict]:
   """The benchmark; returns one row per codec."""
-  from diloco_jax import codec as codec_lib
-  from diloco_jax import grpc_transport
-  from diloco_jax.syncer import core as core_lib
-
   size = int(mb * 1e6 / 4)
   token = os.urandom(16).hex()
   env = {**os.environ, TOKEN_ENV: token, "JAX_PLATFORMS": "cpu"}
@@ -201,32 +206,10 @@ def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block:
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     raw_buf = bytearray(4 * size + 1024)
-    with grpc_transport.GrpcTransport(f"127.0.0.1:{grpc_port}", token, 0, chunk_bytes=chunk_kb * 1024) as t:
-      t.join(0, "bench")
-      t.status()  # resets the server's RSS peak
-      for name in codecs:
-        i = CODECS.index(name)
-        payload = codec_lib.encode(vec, name, block)
-        push = core_lib.Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
-                             codec=name, payload=payload, checksum=codec_lib.checksum(payload))
-        t.status()
-        sampler.reset()
-        sent0, recv0 = t.bytes_sent, t.bytes_received
-        push_s = _best(lambda: t.push(push), repeats)
-        pull_s = _best(lambda: t.pull(i, 0), repeats)
-        wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
-        client_rss = sampler.reset()
-        server_rss = t.status()["peak_rss"]
-        n = len(payload)
-        raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
-        raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
-        rows.append({
-            "codec": name, "params": size, "payload_mb": n / 1e6,
-            "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
-            "raw_send_mb_s": n / 1e6 / raw_push_s, "raw_recv_mb_s": n / 1e6 / raw_pull_s,
-            "framing_overhead": (wire_sent + wire_received) / (2 * repeats * n) - 1.0,
-            "client_peak_rss_mb": client_rss / 1e6, "server_peak_rss_mb": server_rss / 1e6,
-        })
+    for path in ("grpc", "data"):
+      with GrpcTransport(f"127.0.0.1:{grpc_port}", token, 0, chunk_bytes=chunk_kb * 1024,
+                         data_plane=path == "data") as t:
+        rows += _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size)
     raw.close()
     return rows
   finally:
@@ -237,43 +220,75 @@ def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block:
       server.kill()
 
 
+def _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size) -> list[dict]:
+  rows = []
+  t.join(0, "bench")
+  assert (t.data_port != 0) == (path == "data"), "the data plane was not offered"
+  t.status()  # resets the server's RSS peak
+  for name in codecs:
+    i = CODECS.index(name)
+    payload = codec_lib.encode(vec, name, block)
+    push = Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
+                         codec=name, payload=payload, checksum=codec_lib.checksum(payload))
+    t.push(push)  # warm-up, untimed: steady state reuses payload buffers (`wire.BufferPool`)
+    t.pull(i, 0)
+    t.status()
+    sampler.reset()
+    sent0, recv0 = t.bytes_sent, t.bytes_received
+    push_s = _best(lambda: t.push(push), repeats)
+    pull_s = _best(lambda: t.pull(i, 0), repeats)
+    wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
+    client_rss = sampler.reset()
+    server_rss = t.status()["peak_rss"]
+    n = len(payload)
+    raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
+    raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
+    rows.append({
+        "codec": name, "path": path, "params": size, "payload_mb": n / 1e6,
+        "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
+        "raw_send_mb_s": n / 1e6 / raw_push_s, "raw_recv_mb_s": n / 1e6 / raw_pull_s,
+        "push_vs_raw": raw_push_s / push_s, "pull_vs_raw": raw_pull_s / pull_s,
+        "framing_overhead": (wire_sent + wire_received) / (2 * repeats * n) - 1.0,
+        "client_peak_rss_mb": client_rss / 1e6, "server_peak_rss_mb": server_rss / 1e6,
+    })
+  return rows
+
+
 def format_table(rows) -> str:
-  head = (f"{'codec':<6}{'payload MB':>11}{'push MB/s':>11}{'pull MB/s':>11}{'raw send':>10}{'raw recv':>10}"
-          f"{'framing':>9}{'client RSS':>12}{'server RSS':>12}")
+  head = (f"{'codec':<6}{'path':>5}{'payload MB':>11}{'push MB/s':>11}{'pull MB/s':>11}{'raw send':>10}"
+          f"{'raw recv':>10}{'push/raw':>9}{'pull/raw':>9}{'framing':>9}{'client RSS':>12}{'server RSS':>12}")
   lines = [head, "-" * len(head)]
   for r in rows:
-    lines.append(f"{r['codec']:<6}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
-                 f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{100 * r['framing_overhead']:>8.3f}%"
-                 f"{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
+    lines.append(f"{r['codec']:<6}{r['path']:>5}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
+                 f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{r['push_vs_raw']:>9.2f}{r['pull_vs_raw']:>9.2f}"
+                 f"{100 * r['framing_overhead']:>8.3f}%{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
   return "\n".join(lines)
 
 
+def _flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_float("mb", 64.0, "fragment size in MB of float32 (64 = 16M params)", flag_values=fv)
+  flags.DEFINE_list("codecs", list(CODECS), "codecs to measure", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "repeats per transfer after one untimed (the best counts)", flag_values=fv)
+  flags.DEFINE_integer("chunk-kb", 1024, "gRPC chunk size", flag_values=fv)
+  flags.DEFINE_integer("block", 64, "quantization block", flag_values=fv)
+  flags.DEFINE_bool("json", False, "print the rows as JSON", flag_values=fv)
+  # The server half of the benchmark runs as a child process with these (not for people).
+  flags.DEFINE_bool("serve", False, "internal: run the server half", flag_values=fv)
+  flags.DEFINE_integer("size", 0, "internal: the server's fragment size in parameters", flag_values=fv)
+
+
 def main(argv) -> int:
-  parser = argparse.ArgumentParser(prog=argv[0], description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--mb", type=float, default=64.0, help="fragment size in MB of float32 (64 = 16M params)")
-  parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codecs")
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--chunk-kb", type=int, default=1024, help="gRPC chunk size")
-  parser.add_argument("--block", type=int, default=64, help="quantization block")
-  parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-  parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess
-  parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv[1:])
-  if args.serve:
-    return _serve(args)
-  codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-  bad = [c for c in codecs if c not in CODECS]
+  """`python -m diloco_jax bench transport [--mb 64] [--codecs fp32,int4] [--json]`."""
+  fv = cli.parse(argv, _flags, doc=__doc__, config=False)
+  if fv.serve:
+    return _serve(fv.size, fv.block, fv["chunk-kb"].value)
+  bad = [c for c in fv.codecs if c not in CODECS]
   if bad:
-    parser.error(f"unknown codecs {bad}; expected some of {CODECS}")
-  rows = run(args.mb, codecs, args.repeats, args.chunk_kb, args.block)
-  if args.json:
+    raise cli.UsageError(f"--codecs: unknown codecs {bad}; expected some of {CODECS}")
+  rows = run(fv.mb, fv.codecs, fv.repeats, fv["chunk-kb"].value, fv.block)
+  if fv.json:
     print(json.dumps(rows, indent=2))
   else:
-    print(f"loopback gRPC vs raw TCP, fragment of {args.mb:g} MB float32, best of {args.repeats}")
+    print(f"loopback gRPC vs raw TCP, fragment of {fv.mb:g} MB float32, best of {fv.repeats}")
     print(format_table(rows))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv))

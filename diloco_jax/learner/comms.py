@@ -8,25 +8,29 @@ Fetches say which version's reference the learner holds (`have_version`, its bas
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
 (see `syncer/core.py`, "Downlink" and "Epochs").
+
+Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
+start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import secrets
 import threading
 import time
 
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.syncer.core import Published, Push, Rejected
+from diloco_jax.protocol import REJOIN_REASONS, Published, Push, Rejected, Transport
 
 log = logging.getLogger(__name__)
 
-# Rejections that mean "the syncer forgot us" (it restarted, or our lease lapsed): join again and retry.
-_REJOIN_REASONS = ("not_member", "unknown_learner")
+_STEP_TIME_EMA = 0.1  # weight of the newest step in the step time reported to the syncer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ class SyncResult:
 class Comms:
   """Background network worker of one learner (one per learner; thread-safe)."""
 
-  def __init__(self, transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
+  def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
                pull_timeout_s: float = 5.0):
     self.transport = transport
@@ -53,14 +57,53 @@ class Comms:
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
-    self.step_time_s = 0.0  # written by the inner loop, read by the heartbeat thread
+    self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
+    self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
     self.rejected: list[str] = []
+    self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
+    self._sequence = itertools.count(1)
+    self._lock = threading.Lock()
+    self._payload_sent = self._payload_received = self._pushes = 0
+    self._cpu_s = 0.0  # CPU time of the sync workers (encode, push, fetch, decode; an in-process core's merge)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
     self._heartbeat_s = heartbeat_s
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
+
+  def report_step_time(self, seconds: float, step: int | None = None) -> None:
+    """The inner loop's latest step time (its running average feeds the syncer's grace window and goodput
+    estimate) and, if given, its step count (the next heartbeat reports it). The first step a process
+    reports with its count is left out of the average: it compiled, and would weigh on it for dozens of
+    steps."""
+    with self._lock:
+      warmup = step is not None and self._step is None
+      if step is not None:
+        self._step = int(step)
+      if warmup:
+        return
+      s = self._step_time_s
+      self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
+
+  @property
+  def step_time_s(self) -> float:
+    with self._lock:
+      return self._step_time_s
+
+  @property
+  def cpu_s(self) -> float:
+    """CPU seconds the sync workers spent so far (their own threads' time)."""
+    with self._lock:
+      return self._cpu_s
+
+  def traffic(self) -> dict[str, int]:
+    """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
+    fragment payload bytes of accepted pushes and of pulls (what the syncer counts as bytes_in / out)."""
+    with self._lock:
+      return {"bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
+              "payload_bytes_sent": self._payload_sent, "payload_bytes_received": self._payload_received,
+              "pushes": self._pushes}
 
   def join(self) -> dict[int, int]:
     """Joins the run; returns the current version of every fragment. Starts the heartbeat."""
@@ -92,6 +135,8 @@ class Comms:
                                    f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
       if published.kind not in ("full", "delta"):
         raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
+      with self._lock:
+        self._payload_received += len(published.payload)
       return published, self._decode(published)
     raise RuntimeError("comms stopped")
 
@@ -110,12 +155,22 @@ class Comms:
     return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens)
 
   def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
+    cpu0 = time.thread_time()
+    try:
+      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens)
+    finally:
+      with self._lock:
+        self._cpu_s += time.thread_time() - cpu0
+
+  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
+    with self._lock:
+      sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload))
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence)
     del vec
     try:
       receipt = self._push(push)
@@ -131,12 +186,16 @@ class Comms:
 
   def _push(self, push: Push):
     try:
-      return self.transport.push(push)
+      receipt = self.transport.push(push)
     except Rejected as e:
-      if e.reason not in _REJOIN_REASONS:
+      if e.reason not in REJOIN_REASONS:
         raise
       self.transport.join(self.learner_id, self.fingerprint)
-      return self.transport.push(push)
+      receipt = self.transport.push(push)
+    with self._lock:  # only an accepted push reaches the syncer's count
+      self._payload_sent += len(push.payload)
+      self._pushes += 1
+    return receipt
 
   def _decode(self, published: Published) -> np.ndarray:
     if codec_lib.checksum(published.payload) != published.checksum:
@@ -146,9 +205,11 @@ class Comms:
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
       try:
-        self.transport.heartbeat(self.learner_id, self.step_time_s)
+        with self._lock:
+          step = self._step
+        self.transport.heartbeat(self.learner_id, self.step_time_s, step=step)
       except Rejected as e:
-        if e.reason in _REJOIN_REASONS:
+        if e.reason in REJOIN_REASONS:
           try:
             self.transport.join(self.learner_id, self.fingerprint)
           except Exception as join_error:  # noqa: BLE001 - keep heartbeating; the next beat retries
@@ -156,10 +217,15 @@ class Comms:
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
 
+  def abandon(self) -> None:
+    """Stop waiting for syncs in flight: their fetch loops end with an error (the caller closes the
+    transport to end calls on the wire too). For a shutdown whose grace ran out."""
+    self._stop.set()
+
   def close(self, leave: bool = True) -> None:
     self._pool.shutdown(wait=True)
     self._stop.set()
-    if leave and hasattr(self.transport, "leave"):
+    if leave:
       try:
         self.transport.leave(self.learner_id)
       except Exception as e:  # noqa: BLE001

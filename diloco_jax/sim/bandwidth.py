@@ -1,7 +1,7 @@
 """WAN bandwidth planner: the link speed each method needs to keep a target compute utilization.
 
 Model (closed form; see docs/simulator.md). Per site and direction, a ring all-reduce of B bytes over n
-sites moves `2 (n-1)/n * B` (DESIGN.md section 5). Compute utilization u = compute time / wall time.
+sites moves `2 (n-1)/n * B`. Compute utilization u = compute time / wall time.
 
 * Data-parallel: the gradients (bf16) are reduced every step, overlapped with the backward pass (the last
   `1 - fwd_fraction` of the step). Wall per step = fwd + max(bwd, comm), so comm <= step/u - fwd.
@@ -28,10 +28,12 @@ LABELS = {
     "streaming_overlap_q": "Streaming + overlap + int4/FP4",
 }
 UTILIZATIONS = (0.5, 0.8, 0.9, 0.95, 0.99)
-# Published reference (Streaming DiLoCo, 10B model, 0.8 s step, 95% utilization); compared, not used.
-PUBLISHED_STREAMING_95 = {"dp": 268.3, "streaming_overlap_q": 1.4}
+# Published reference cells (Streaming DiLoCo, Gbit/s: (method, target utilization) -> value), the ones this
+# planner holds; compared against, never used in the model. They are for `PUBLISHED_SETTING`.
+PUBLISHED_STREAMING = {("dp", 0.95): 268.3, ("streaming_overlap_q", 0.95): 1.4}
 # Decoupled DiLoCo: 8 datacenters, data-parallel 198 Gbps -> 0.84 Gbps.
 PUBLISHED_8DC = (198.0, 0.84)
+PUBLISHED_8DC_SITES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,37 +125,66 @@ def utilization_at(cfg: BandwidthConfig, method: str, gbps: float, tol: float = 
   return lo
 
 
+# The fields that define the published cells' setting (the others are this model's own assumptions).
+_PUBLISHED_FIELDS = ("params", "bytes_per_param", "step_s", "inner_steps", "fragments", "tau", "sites",
+                     "quant_bits")
+
+
+def published_mismatch(cfg: BandwidthConfig) -> str | None:
+  """Why `cfg` is not the setting of the published cells (None when it is): they hold for the defaults of
+  `BandwidthConfig` (10B params, 0.8 s/step, 2 sites, H=100, P=8, tau=5, 4-bit)."""
+  ref = BandwidthConfig()
+  diffs = [f"{f}={getattr(cfg, f):g} (published: {getattr(ref, f):g})" for f in _PUBLISHED_FIELDS
+           if getattr(cfg, f) != getattr(ref, f)]
+  return ", ".join(diffs) or None
+
+
+def published_cells(cfg: BandwidthConfig) -> list[dict]:
+  """Every published cell beside this model's value for it and the difference, in the published setting
+  (empty when `cfg` is another setting: then nothing published applies)."""
+  if published_mismatch(cfg) is not None:
+    return []
+  cells = []
+  for (method, u), pub in PUBLISHED_STREAMING.items():
+    ours = required_gbps(cfg, method, u)
+    cells.append({"method": method, "label": LABELS[method], "utilization": u, "ours": ours, "published": pub,
+                  "diff_pct": 100.0 * (ours / pub - 1.0)})
+  return cells
+
+
 def table(cfg: BandwidthConfig, utilizations=UTILIZATIONS) -> list[dict]:
-  """Rows of required Gbps per method and target utilization, with the published cells beside."""
+  """Rows of required Gbps per method and target utilization."""
   cfg.validate()
-  rows = []
-  for method in METHODS:
-    row = {"method": method, "label": LABELS[method],
-           "gbps": {f"{u:g}": required_gbps(cfg, method, u) for u in utilizations}}
-    pub = PUBLISHED_STREAMING_95.get(method)
-    if pub is not None and 0.95 in utilizations:
-      row["published_95"] = pub
-      row["ratio_95"] = row["gbps"]["0.95"] / pub
-    rows.append(row)
-  return rows
+  return [{"method": method, "label": LABELS[method],
+           "gbps": {f"{u:g}": required_gbps(cfg, method, u) for u in utilizations}} for method in METHODS]
+
+
+def sites_figure(cfg: BandwidthConfig, utilization: float = 0.95) -> dict:
+  """This model over `cfg.sites` sites: data-parallel against Decoupled DiLoCo (streaming + overlap +
+  low-bit outer gradients), and the reduction."""
+  g = {m: required_gbps(cfg, m, utilization) for m in METHODS}
+  return {"sites": cfg.sites, "utilization": utilization, "gbps": g,
+          "reduction": g["dp"] / g["streaming_overlap_q"]}
 
 
 def eight_datacenter_figure(cfg: BandwidthConfig, utilization: float = 0.95,
                             dp_gbps: float = PUBLISHED_8DC[0]) -> dict:
-  """How a data-parallel requirement of `dp_gbps` across 8 sites falls under Decoupled DiLoCo.
+  """The published figure, reproduced: how a data-parallel requirement of `dp_gbps` across 8 sites falls
+  under Decoupled DiLoCo. Always 8 sites, as published (whatever `cfg.sites`); the schedule, step time
+  and quantization are `cfg`'s.
 
   The size of the model is not published with the figure, so it is solved for: the parameter count whose
   data-parallel requirement at this step time and utilization is `dp_gbps`. Then the same model under
   streaming + overlap + int4 gives the Decoupled DiLoCo requirement. The ratio between the two does not
   depend on the model size.
   """
-  eight = dataclasses.replace(cfg, sites=8).validate()
+  eight = dataclasses.replace(cfg, sites=PUBLISHED_8DC_SITES).validate()
   per_param = required_gbps(dataclasses.replace(eight, params=1.0), "dp", utilization)
   params = dp_gbps / per_param
   sized = dataclasses.replace(eight, params=params)
   ours = {m: required_gbps(sized, m, utilization) for m in METHODS}
   return {
-      "sites": 8, "utilization": utilization, "solved_params": params, "gbps": ours,
+      "sites": PUBLISHED_8DC_SITES, "utilization": utilization, "solved_params": params, "gbps": ours,
       "reduction": ours["dp"] / ours["streaming_overlap_q"],
       "published": {"dp": PUBLISHED_8DC[0], "decoupled": PUBLISHED_8DC[1],
                     "reduction": PUBLISHED_8DC[0] / PUBLISHED_8DC[1]},

@@ -8,9 +8,9 @@ Three strategies share one failure model and one "job" simulator (see docs/simul
   (`reshape_s`) and continues on fewer slices; the slice is back after `repair_s` and rejoins at another
   reshape (or inside one already in progress).
 * `diloco`: Decoupled DiLoCo with M learners. Each learner is an elastic data-parallel job of N/M chips, so
-  a failure pauses only its own learner. Learners push fragments to the syncer, whose rounds close by the
-  project's own quorum and grace-window policy (`diloco_jax.syncer.policy`); the global model advances at
-  every close.
+  a failure pauses only its own learner. Learners (each at its own speed) push fragments to the syncer,
+  whose rounds close by the project's own quorum and grace-window policy (`diloco_jax.syncer.policy`),
+  and wait on the outer loop as the real learner does (`sim/rounds.py`).
 
 Outputs: goodput (useful chip-time / provisioned chip-time) and uptime (fraction of wall time the global
 model advances), each as a mean and a 95% confidence interval over seeded repeats.
@@ -20,7 +20,6 @@ Only numpy: this module must import fast and never touch jax.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import math
@@ -28,12 +27,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from diloco_jax.sim import rounds
 from diloco_jax.syncer import policy as syncer_policy
 
 YEAR_S = 365.25 * 24 * 3600.0
 STRATEGIES = ("dp", "elastic", "diloco")
 
-# The published grid (DESIGN.md section 6). Reference values, compared against, never used in the model.
+# The published grid (Decoupled DiLoCo, goodput % by chips). Reference values, compared against, never used in the model.
 TABLE_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 TABLE_ROWS = (("dp", 1), ("elastic", 1), ("diloco", 2), ("diloco", 4), ("diloco", 8), ("diloco", 16))
 PUBLISHED = {
@@ -44,6 +44,17 @@ PUBLISHED = {
     ("diloco", 8): (98, 96, 94, 88, 80),
     ("diloco", 16): (99, 98, 96, 93, 86),
 }
+PUBLISHED_MTBI_YEARS = 1.0  # the grid's per-chip mean time between interruptions
+
+# The paper's heterogeneous-hardware experiment: 8 learners, half of them 18% slower (TPU v5p beside v6e),
+# 10% step-time variance; goodput (%) per quorum setting. Reference values, compared against, never used.
+QUORUM_SETTINGS = {
+    "all": "K = M (wait for all)",
+    "k1": "K = 1, no grace",
+    "k1grace": "K = 1 + adaptive grace",
+}
+PUBLISHED_HETERO = {"all": 84, "k1": 100, "k1grace": 100}
+PUBLISHED_HETERO_SETTING = "8 learners, half 18% slower, step cv 0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +88,17 @@ class SimConfig:
   max_grace_s: float = 30.0
   learner_recovery: str = "elastic"  # or "restart": a learner restarts like a small dp job and rejoins
   rejoin_s: float = 10.0  # restart mode: pull the current global fragments on rejoin
-  speed_spread: float = 0.0  # learner speeds drawn uniformly in [1 - spread, 1] (mixed hardware)
+  max_in_flight: int = 2  # the learner's outer.max_in_flight: fragments pushed but not yet adopted
+  # Mixed hardware: ((speed, learners), ...) groups (their learners sum to `learners`), or speeds drawn
+  # uniformly in [1 - speed_spread, 1]; a speed-v learner's steps take step_s / v on average.
+  groups: tuple[tuple[float, int], ...] = ()
+  speed_spread: float = 0.0
   # Simulation length: enough time for this many failures in the smallest job (statistical accuracy).
   failures_per_job: int = 300
-  horizon_s: float = 0.0  # > 0 overrides failures_per_job
+  horizon_s: float = 0.0  # > 0 overrides failures_per_job (and is simulated in full)
+  # The outer loop (pushes, rounds, blocking) is simulated event by event over a window at the start of
+  # the horizon holding at most this many pushes; the failure model always runs the whole horizon.
+  max_pushes: int = 10_000
 
   def validate(self) -> "SimConfig":
     """Raise ValueError naming the offending flag."""
@@ -88,7 +106,7 @@ class SimConfig:
         (self.chips >= 1, f"--chips must be >= 1, got {self.chips}"),
         (self.strategy in STRATEGIES, f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}"),
         (self.learners >= 1, f"--learners (M) must be >= 1, got {self.learners}"),
-        (self.mtbi_chip_s > 0, f"--mtbi-years must be > 0, got {self.mtbi_chip_s / YEAR_S}"),
+        (0 < self.mtbi_chip_s < math.inf, f"--mtbi-years must be > 0 and finite, got {self.mtbi_chip_s / YEAR_S}"),
         (self.slice_chips >= 1, f"--slice-chips must be >= 1, got {self.slice_chips}"),
         (self.restart_s >= 0, f"--restart-s must be >= 0, got {self.restart_s}"),
         (self.reshape_s >= 0, f"--reshape-s must be >= 0, got {self.reshape_s}"),
@@ -108,14 +126,26 @@ class SimConfig:
          f"--learner-recovery must be 'elastic' or 'restart', got {self.learner_recovery!r}"),
         (self.rejoin_s >= 0, f"--rejoin-s must be >= 0, got {self.rejoin_s}"),
         (0 <= self.speed_spread < 1, f"--speed-spread must be in [0, 1), got {self.speed_spread}"),
+        (self.max_in_flight >= 1, f"--max-in-flight must be >= 1, got {self.max_in_flight}"),
         (self.failures_per_job >= 1, f"--failures-per-job must be >= 1, got {self.failures_per_job}"),
         (self.horizon_s >= 0, f"--horizon-s must be >= 0, got {self.horizon_s}"),
+        (self.max_pushes >= 1, f"--max-pushes must be >= 1, got {self.max_pushes}"),
     ]
     for ok, message in checks:
       if not ok:
         raise ValueError(message)
     if self.strategy == "diloco" and self.chips < self.learners:
       raise ValueError(f"--chips ({self.chips}) must be >= --learners ({self.learners})")
+    if self.groups:
+      for speed, count in self.groups:
+        if not (0 < speed <= 100 and math.isfinite(speed)) or count < 1:
+          raise ValueError(f"--groups: each group is SPEED:LEARNERS with SPEED in (0, 100] and LEARNERS >= 1, "
+                           f"got {speed:g}:{count}")
+      if sum(c for _, c in self.groups) != self.learners:
+        raise ValueError(f"--groups hold {sum(c for _, c in self.groups)} learners but --learners is "
+                         f"{self.learners}")
+      if self.speed_spread:
+        raise ValueError("--groups and --speed-spread are two ways to set learner speeds: give one")
     # Builds the policy, which validates tau / gamma / grace with the syncer's own messages.
     self.quorum_policy()
     return self
@@ -130,11 +160,27 @@ class SimConfig:
     """Independent failure domains: the whole job for dp/elastic, one per learner for diloco."""
     return self.learners if self.strategy == "diloco" else 1
 
-  @property
-  def push_interval_s(self) -> float:
-    """Compute time between two pushes of the same fragment (H steps). The syncer simulation follows one
-    fragment; the others are the same process shifted by H/P steps."""
-    return self.inner_steps * self.step_s
+  def outer_schedule(self) -> rounds.Schedule:
+    return rounds.Schedule(inner_steps=self.inner_steps, fragments=self.fragments, tau=self.tau,
+                           max_in_flight=self.max_in_flight, step_s=self.step_s, step_cv=self.step_cv,
+                           t_sync_s=self.t_sync_s, policy=self.quorum_policy())
+
+  def learner_speeds(self, rng: np.random.Generator) -> np.ndarray:
+    """One speed per learner: the groups in order, or uniform draws with `speed_spread`, or all 1."""
+    if self.groups:
+      return np.concatenate([np.full(count, float(speed)) for speed, count in self.groups])
+    if self.speed_spread:
+      return 1.0 - self.speed_spread * rng.uniform(0.0, 1.0, self.learners)
+    return np.ones(self.learners)
+
+  def sync_window(self, speeds: Sequence[float]) -> float:
+    """Wall seconds of the outer-loop simulation: the horizon, capped at `max_pushes` expected pushes
+    unless --horizon-s was given."""
+    horizon = self.horizon()
+    if self.horizon_s > 0:
+      return horizon
+    rate = sum(rounds.pushes_per_second(self.outer_schedule(), float(v)) for v in speeds)
+    return min(horizon, self.max_pushes / rate)
 
   def horizon(self) -> float:
     if self.horizon_s > 0:
@@ -266,102 +312,6 @@ def _all_stalled_time(traces: Sequence[JobTrace], horizon_s: float) -> float:
   return float(np.sum(widths[stalled >= m]))
 
 
-def push_times(
-    rng: np.random.Generator, trace: JobTrace, horizon_s: float, interval_s: float, speed: float,
-    step_s: float, step_cv: float,
-) -> np.ndarray:
-  """Wall times at which a learner pushes one fragment: every `interval_s` of its own compute time
-  (slower learners take longer), shifted by its stalls, with the jitter of `interval/step` steps whose
-  times vary with coefficient `step_cv`. Vectorized over pushes."""
-  period = interval_s / speed
-  dur = trace.stall_ends - trace.stall_starts
-  # Stall k starts at compute time (stall start minus all stall time before it).
-  cum = np.concatenate([[0.0], np.cumsum(dur)])
-  compute_at_stall = trace.stall_starts - cum[:-1]
-  n = int(horizon_s // period) + 1
-  compute = period * np.arange(1, n + 1)
-  wall = compute + cum[np.searchsorted(compute_at_stall, compute, side="right")]
-  jitter_sd = step_cv * step_s / speed * math.sqrt(interval_s / step_s)
-  wall = wall + rng.normal(0.0, jitter_sd, wall.shape)
-  return wall[wall < horizon_s]
-
-
-@dataclasses.dataclass
-class SyncerTrace:
-  closes: np.ndarray  # wall time of every round close (the global model advances)
-  contributors: np.ndarray  # pushes merged per round
-  latency: np.ndarray  # close - open per round
-  blocked_s: np.ndarray  # per learner: time waiting for a fragment that was not published yet
-
-
-def simulate_syncer(
-    cfg: SimConfig, pushes: Sequence[np.ndarray], traces: Sequence[JobTrace], step_estimate_s: float,
-) -> SyncerTrace:
-  """Rounds of one fragment, closed by the project's own policy (`syncer.policy.round_close_time`).
-
-  A round opens at the first push not yet merged; the candidates are the later pushes (one per learner)
-  within one push interval; the live learners are those not stalled at the opening. Pushes arriving after
-  the close open the next round: late work is merged later, never dropped. A learner blocks when it is
-  due to push a fragment again before its previous push was merged and published (at most one in flight
-  per fragment).
-  """
-  policy = cfg.quorum_policy()
-  m = len(pushes)
-  times = np.concatenate(pushes)
-  owner = np.concatenate([np.full(p.size, j) for j, p in enumerate(pushes)])
-  order = np.argsort(times, kind="stable")
-  times, owner = times[order], owner[order]
-  # Live learner count as a step function of time: -1 at each stall start, +1 at each end.
-  edges = np.concatenate([t.stall_starts for t in traces] + [t.stall_ends for t in traces])
-  deltas = np.concatenate([-np.ones(t.stall_starts.size) for t in traces] +
-                          [np.ones(t.stall_ends.size) for t in traces])
-  eorder = np.argsort(edges, kind="stable")
-  edges, live_after = edges[eorder], m + np.cumsum(deltas[eorder])
-  window = cfg.push_interval_s
-  # The round loop is sequential (each round opens where the last one closed); plain lists and bisect are
-  # several times faster than numpy calls on a handful of elements.
-  t_list, o_list, e_list = times.tolist(), owner.tolist(), edges.tolist()
-  live_list = live_after.tolist()
-  close_of = np.full(times.size, np.nan)
-  closes, contributors, latency = [], [], []
-  i, n = 0, times.size
-  while i < n:
-    opened = t_list[i]
-    k = bisect.bisect_right(e_list, opened)
-    live = max(int(live_list[k - 1]) if k else m, 1)  # the opener is computing, so it is live
-    arrivals, seen = [], set()
-    j = i
-    while j < n and t_list[j] <= opened + window:
-      if o_list[j] not in seen:  # one contribution per learner per round
-        seen.add(o_list[j])
-        arrivals.append(t_list[j])
-      j += 1
-    close = syncer_policy.round_close_time(policy, arrivals, live, step_estimate_s, cfg.t_sync_s)
-    if close is None:
-      # Quorum not reached within one interval: the round waits for the K-th learner, whenever it comes.
-      kq = syncer_policy.effective_quorum(policy, live)
-      while j < n and len(seen) < kq:
-        if o_list[j] not in seen:
-          seen.add(o_list[j])
-          arrivals.append(t_list[j])
-        j += 1
-      close = arrivals[min(kq, len(arrivals)) - 1]
-    j = bisect.bisect_right(t_list, close, lo=i)
-    close_of[i:j] = close
-    closes.append(close)
-    contributors.append(j - i)
-    latency.append(close - opened)
-    i = max(j, i + 1)
-  # Blocking: push r of a learner must be published before its push r+1 is due.
-  blocked = np.zeros(m)
-  for j in range(m):
-    mine = owner == j
-    t_push, published = times[mine], close_of[mine] + cfg.t_sync_s
-    if t_push.size > 1:
-      blocked[j] = float(np.sum(np.maximum(0.0, published[:-1] - t_push[1:])))
-  return SyncerTrace(np.asarray(closes), np.asarray(contributors), np.asarray(latency), blocked)
-
-
 @dataclasses.dataclass
 class RunResult:
   goodput: float
@@ -397,22 +347,33 @@ def simulate_once(cfg: SimConfig, seed: int) -> RunResult:
       tr = simulate_job(rng, size, horizon, cfg, "restart", push_period, cfg.snapshot_s,
                         cfg.restart_s + cfg.rejoin_s)
     traces.append(tr)
-  speeds = 1.0 - cfg.speed_spread * rng.uniform(0.0, 1.0, m) if cfg.speed_spread else np.ones(m)
-  pushes = [push_times(rng, tr, horizon, cfg.push_interval_s, float(sp), cfg.step_s, cfg.step_cv)
-            for tr, sp in zip(traces, speeds)]
-  step_estimate = syncer_policy.estimate_step_time([cfg.step_s / float(sp) for sp in speeds])
-  sync = simulate_syncer(cfg, pushes, traces, step_estimate)
-  useful = sum(tr.useful_chip_s for tr in traces) - float(np.dot(sync.blocked_s, sizes))
+  speeds = cfg.learner_speeds(rng)
+  window = cfg.sync_window(speeds)
+  learners = []
+  for tr, speed in zip(traces, speeds):
+    inside = tr.stall_starts < window
+    learners.append(rounds.Learner(float(speed), tr.stall_starts[inside].tolist(),
+                                   np.minimum(tr.stall_ends[inside], window).tolist()))
+  outer = rounds.simulate(cfg.outer_schedule(), learners, window, rng)
+  # A learner loses the share of its compute time it spent blocked on the outer loop (measured over the
+  # window, where it sees the same failures and rounds as over the whole horizon).
+  blocked = outer.blocked_fraction
+  useful = float(sum(tr.useful_chip_s * (1.0 - b) for tr, b in zip(traces, blocked)))
   # The global model advances while at least one learner computes: its pushes close rounds (the effective
   # quorum never exceeds the live learners). It stops only while every learner is stalled at once.
   uptime = 1.0 - _all_stalled_time(traces, horizon) / horizon
-  gaps = np.diff(np.concatenate([[0.0], sync.closes]))
+  closed = outer.contributors.size
   extra = {
-      "rounds": int(sync.closes.size),
-      "mean_contributors": float(sync.contributors.mean()) if sync.closes.size else 0.0,
-      "mean_round_latency_s": float(sync.latency.mean()) if sync.closes.size else 0.0,
-      "max_update_gap_s": float(gaps.max()) if gaps.size else horizon,
-      "blocked_fraction": float(np.dot(sync.blocked_s, sizes)) / provisioned,
+      "rounds": int(closed),
+      "mean_contributors": float(outer.contributors.mean()) if closed else 0.0,
+      "mean_round_latency_s": float(outer.latency_s.mean()) if closed else 0.0,
+      "max_update_gap_s": outer.max_update_gap_s,
+      "blocked_fraction": float(sum(tr.useful_chip_s * b for tr, b in zip(traces, blocked))) / provisioned,
+      "learner_blocked_max": float(blocked.max()),
+      "late_fraction": outer.late_pushes / outer.pushes if outer.pushes else 0.0,
+      "pushes": outer.pushes,
+      "deferred_pushes": outer.deferred_pushes,
+      "sync_window_s": window,
       "learner_stalled_fraction": float(np.mean([_stalled_time(t) / horizon for t in traces])),
   }
   return RunResult(useful / provisioned, uptime, sum(t.failures for t in traces), horizon, extra)
@@ -482,29 +443,91 @@ def no_failure_goodput(cfg: SimConfig) -> float:
   return period / (period + cfg.snapshot_s)
 
 
+def published_goodput(strategy: str, m: int, chips: int, cfg: SimConfig) -> int | None:
+  """The published goodput (%) of this cell, or None when nothing was published for it: the grid holds
+  only its five chip counts and six rows, at a per-chip MTBI of one year."""
+  if not math.isclose(cfg.mtbi_chip_s, PUBLISHED_MTBI_YEARS * YEAR_S, rel_tol=1e-9):
+    return None
+  row = PUBLISHED.get((strategy, 1 if strategy != "diloco" else m))
+  if row is None or chips not in TABLE_CHIPS:
+    return None
+  return row[TABLE_CHIPS.index(chips)]
+
+
 def table(
     base: SimConfig, repeats: int = 3, seed: int = 0,
     progress: Callable[[str], None] | None = None,
     chips: Sequence[int] = TABLE_CHIPS,
+    rows: Sequence[tuple[str, int]] = TABLE_ROWS,
 ) -> list[dict]:
-  """The published grid, simulated under one set of assumptions (`base`), beside the published values."""
-  rows = []
-  for strategy, m in TABLE_ROWS:
-    for col, n in enumerate(chips):
+  """The published grid (or the given part of it), simulated under one set of assumptions (`base`),
+  beside the published values where they apply (`published_goodput`)."""
+  out = []
+  for strategy, m in rows:
+    for n in chips:
       cfg = dataclasses.replace(base, chips=n, strategy=strategy, learners=m)
       est = simulate(cfg, repeats=repeats, seed=seed)
-      pub = PUBLISHED[(strategy, m)][col] if tuple(chips) == TABLE_CHIPS else None
-      rows.append({
+      pub = published_goodput(strategy, m, n, base)
+      out.append({
           "strategy": strategy, "learners": m, "chips": n,
           "goodput": est.goodput, "goodput_ci": est.goodput_ci,
           "uptime": est.uptime, "uptime_ci": est.uptime_ci,
           "published": pub,
           "diff_points": None if pub is None else 100 * est.goodput - pub,
+          "failures_per_repeat": est.failures, "horizon_s": est.horizon_s, **est.extra,
       })
       if progress:
         progress(f"{row_label(strategy, m):>10} {n:>9,} chips: goodput {100 * est.goodput:5.1f}%")
-  return rows
+  return out
+
+
+QUORUM_OVERRIDES = {
+    "all": lambda cfg: {"min_quorum": cfg.learners},
+    "k1": lambda cfg: {"min_quorum": 1, "max_grace_s": 0.0},
+    "k1grace": lambda cfg: {"min_quorum": 1},
+}
+
+
+def with_quorum_setting(cfg: SimConfig, setting: str) -> SimConfig:
+  """`cfg` under one of the paper's three quorum settings (`QUORUM_SETTINGS`): K = M; K = 1 closing at the
+  first push (no grace window); K = 1 with the adaptive grace window of `cfg` (gamma, max grace)."""
+  if setting not in QUORUM_OVERRIDES:
+    raise ValueError(f"--quorum-settings must be a comma list of {', '.join(QUORUM_SETTINGS)}, got {setting!r}")
+  return dataclasses.replace(cfg, **QUORUM_OVERRIDES[setting](cfg))
+
+
+def lockstep_goodput(cfg: SimConfig, rng: np.random.Generator | None = None) -> float:
+  """Goodput if every learner ran at the slowest one's pace: the mean over learners of slowest speed /
+  own speed (for `speed_spread`, the mean over draws of `rng`)."""
+  if cfg.groups or not cfg.speed_spread:
+    return rounds.lockstep_goodput(cfg.learner_speeds(np.random.default_rng(0)))
+  rng = rng or np.random.default_rng(0)
+  return float(np.mean([rounds.lockstep_goodput(cfg.learner_speeds(rng)) for _ in range(1000)]))
+
+
+def published_hetero_mismatch(cfg: SimConfig) -> str | None:
+  """Why `cfg` is not the paper's heterogeneous setting (None when it is): 8 learners in two groups of 4,
+  the slow group 18% slower (speed ratio 0.82 to 1/1.18 = 0.85), step cv 0.1, failures negligible."""
+  reasons = []
+  if cfg.learners != 8:
+    reasons.append(f"{cfg.learners} learners, not 8")
+  counts = sorted(c for _, c in cfg.groups)
+  speeds = sorted(v for v, _ in cfg.groups)
+  if counts != [4, 4] or not 0.80 <= speeds[0] / speeds[-1] <= 0.86:
+    reasons.append("not two groups of 4 with the slow one 18% slower (--groups 0.847:4,1:4)")
+  if not math.isclose(cfg.step_cv, 0.1):
+    reasons.append(f"step cv {cfg.step_cv:g}, not 0.1")
+  learner_mtbi_s = cfg.mtbi_chip_s / max(1, cfg.chips // cfg.learners)
+  if learner_mtbi_s < 1000 * cfg.inner_steps * cfg.step_s:
+    reasons.append("failures not negligible (raise --mtbi-years)")
+  return "; ".join(reasons) or None
 
 
 def row_label(strategy: str, m: int) -> str:
   return {"dp": "DP", "elastic": "elastic DP"}.get(strategy, f"M={m}")
+
+
+def label(row: dict) -> str:
+  """A result row's name: its strategy (and M), and its quorum setting if it has one."""
+  name = row_label(row["strategy"], row["learners"])
+  return f"{name} {row['setting']}" if row.get("setting") else name

@@ -13,25 +13,43 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from diloco_jax.sim import bandwidth, goodput  # noqa: E402
 
 
-def plot_goodput(rows: Sequence[dict], path: str) -> str:
-  """Goodput against chips, one line per strategy (with 95% CI bars), published values dashed."""
+def goodput_labels(mtbi_years: float, with_published: bool) -> tuple[str, str]:
+  """(x label, title) of the goodput plot: the run's own MTBI; "published" only when some are drawn."""
+  xlabel = f"chips (per-chip MTBI {mtbi_years:g} year{'' if mtbi_years == 1 else 's'})"
+  title = ("Simulated goodput (solid, 95% CI) vs published (dashed)" if with_published
+           else "Simulated goodput (95% CI); no published values for this setting")
+  return xlabel, title
+
+
+def bandwidth_labels(cfg: bandwidth.BandwidthConfig) -> tuple[str, str, dict]:
+  """(y label, title, published markers {(method, utilization): Gbps}) of the bandwidth plot: markers only
+  in the published setting."""
+  markers = dict(bandwidth.PUBLISHED_STREAMING) if bandwidth.published_mismatch(cfg) is None else {}
+  title = (f"{cfg.params / 1e9:g}B params, {cfg.step_s:g} s/step, H={cfg.inner_steps}, P={cfg.fragments}, "
+           f"tau={cfg.tau}, {cfg.sites} sites" + (" (x: published)" if markers else ""))
+  return "required WAN bandwidth per site, each way (Gbit/s)", title, markers
+
+
+def plot_goodput(rows: Sequence[dict], path: str, mtbi_years: float) -> str:
+  """Goodput against chips, one line per row (with 95% CI bars); published values dashed where they apply."""
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  keys = []
-  for r in rows:
-    if (r["strategy"], r["learners"]) not in keys:
-      keys.append((r["strategy"], r["learners"]))
-  for i, (strategy, m) in enumerate(keys):
-    mine = [r for r in rows if (r["strategy"], r["learners"]) == (strategy, m)]
+  labels = list(dict.fromkeys(goodput.label(r) for r in rows))
+  any_published = False
+  for i, label in enumerate(labels):
+    mine = [r for r in rows if goodput.label(r) == label]
     chips = [r["chips"] for r in mine]
     color = f"C{i}"
     ax.errorbar(chips, [100 * r["goodput"] for r in mine], yerr=[100 * r["goodput_ci"] for r in mine],
-                marker="o", color=color, capsize=3, label=goodput.row_label(strategy, m))
-    if all(r.get("published") is not None for r in mine):
-      ax.plot(chips, [r["published"] for r in mine], ls="--", marker="x", color=color, alpha=0.6)
+                marker="o", color=color, capsize=3, label=label)
+    published = [(r["chips"], r["published"]) for r in mine if r.get("published") is not None]
+    if published:
+      any_published = True
+      ax.plot(*zip(*published), ls="--", marker="x", color=color, alpha=0.6)
   ax.set_xscale("log")
-  ax.set_xlabel("chips (per-chip MTBI 1 year)")
+  xlabel, title = goodput_labels(mtbi_years, any_published)
+  ax.set_xlabel(xlabel)
   ax.set_ylabel("goodput (%)")
-  ax.set_title("Simulated goodput (solid) vs published (dashed)")
+  ax.set_title(title)
   ax.set_ylim(0, 100)
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8, loc="lower left")
@@ -39,19 +57,20 @@ def plot_goodput(rows: Sequence[dict], path: str) -> str:
 
 
 def plot_bandwidth(cfg: bandwidth.BandwidthConfig, path: str, points: int = 60) -> str:
-  """Required WAN Gbps against target compute utilization, one line per method (log scale)."""
+  """Required WAN Gbps against target compute utilization, one line per method (log scale); the published
+  cells as crosses when `cfg` is their setting."""
   fig, ax = plt.subplots(figsize=(7, 4.5))
   us = [0.3 + 0.69 * i / (points - 1) for i in range(points)]
   for method in bandwidth.METHODS:
     ax.plot([100 * u for u in us], [bandwidth.required_gbps(cfg, method, u) for u in us],
             label=bandwidth.LABELS[method])
-  for method, gbps in bandwidth.PUBLISHED_STREAMING_95.items():
-    ax.plot([95], [gbps], marker="x", color="k", ls="none")
+  ylabel, title, markers = bandwidth_labels(cfg)
+  for (method, u), gbps in markers.items():
+    ax.plot([100 * u], [gbps], marker="x", color="k", ls="none")
   ax.set_yscale("log")
   ax.set_xlabel("compute utilization (%)")
-  ax.set_ylabel("required WAN bandwidth (Gbit/s)")
-  ax.set_title(f"{cfg.params / 1e9:g}B params, {cfg.step_s:g} s/step, H={cfg.inner_steps}, "
-               f"P={cfg.fragments}, tau={cfg.tau}, {cfg.sites} sites (x: published)", fontsize=9)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   return _save(fig, path)

@@ -18,6 +18,9 @@ import pathlib
 from typing import Any
 
 import numpy as np
+import orbax.checkpoint as ocp
+
+from diloco_jax.syncer.core import SyncerCore
 
 _ARRAY = "__array__"
 _TUPLE = "__tuple__"
@@ -26,15 +29,18 @@ _DICT = "__dict__"  # a dict whose keys are not all strings: stored as a list of
 log = logging.getLogger(__name__)
 
 
-def split_state(state: Any) -> tuple[dict[str, np.ndarray], Any]:
-  """(arrays, skeleton): the arrays of a state dict by generated key, and a JSON-able skeleton."""
+def split_state(state: Any, *, copy: bool = True) -> tuple[dict[str, np.ndarray], Any]:
+  """(arrays, skeleton): the arrays of a state dict by generated key, and a JSON-able skeleton.
+
+  `copy=False` when the state's arrays are already private copies (`SyncerCore.state_dict()` takes them
+  under the core's lock): the arrays are then passed on as they are, one fragment-sized copy fewer."""
   arrays: dict[str, np.ndarray] = {}
 
   def walk(node):
     if isinstance(node, (np.ndarray, np.generic)) or _is_jax_array(node):
       key = f"a{len(arrays)}"
-      # Copy: an async save must not see the core mutate the array after state_dict() returned.
-      arrays[key] = np.array(node, copy=True)
+      # Copy (unless the caller's arrays are private already): an async save must not see the array change.
+      arrays[key] = np.array(node, copy=True) if copy or not isinstance(node, np.ndarray) else node
       return {_ARRAY: key, "scalar": isinstance(node, np.generic)}
     if isinstance(node, dict):
       if all(isinstance(k, str) for k in node):
@@ -63,7 +69,7 @@ def join_state(arrays: dict[str, np.ndarray], skeleton: Any) -> Any:
       if _TUPLE in node:
         return tuple(walk(v) for v in node[_TUPLE])
       if _DICT in node:
-        return {_key_from_json(k): walk(v) for k, v in node[_DICT]}
+        return {k: walk(v) for k, v in node[_DICT]}
       return {k: walk(v) for k, v in node.items()}
     if isinstance(node, list):
       return [walk(v) for v in node]
@@ -82,10 +88,6 @@ def _key_to_json(k):
   return k
 
 
-def _key_from_json(k):
-  return k
-
-
 class SyncerCheckpointer:
   """An orbax CheckpointManager for syncer state dicts.
 
@@ -96,9 +98,6 @@ class SyncerCheckpointer:
   """
 
   def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
-    import orbax.checkpoint as ocp
-
-    self._ocp = ocp
     self.directory = pathlib.Path(directory).resolve()
     self.directory.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -110,10 +109,10 @@ class SyncerCheckpointer:
     self._manager.reload()  # another process (a previous syncer) may have written steps
     return self._manager.latest_step()
 
-  def save(self, state: Any, *, rounds: int = 0) -> int:
-    """Save a state dict as the next step; return the step. Asynchronous if so configured."""
-    ocp = self._ocp
-    arrays, skeleton = split_state(state)
+  def save(self, state: Any, *, rounds: int = 0, copy: bool = True) -> int:
+    """Save a state dict as the next step; return the step. Asynchronous if so configured. `copy=False`:
+    the state's arrays are private to this call (nobody changes them afterwards), see `split_state`."""
+    arrays, skeleton = split_state(state, copy=copy)
     step = (self._manager.latest_step() or 0) + 1
     meta = {"skeleton": skeleton, "rounds": int(rounds), "format": 1}
     items = {"meta": ocp.args.JsonSave(meta)}
@@ -125,7 +124,6 @@ class SyncerCheckpointer:
 
   def restore(self, step: int | None = None) -> tuple[Any, dict]:
     """(state dict, info) of `step` (default: the latest). info: {"step", "rounds"}."""
-    ocp = self._ocp
     self._manager.wait_until_finished()
     step = self.latest_step() if step is None else step
     if step is None:
@@ -135,7 +133,7 @@ class SyncerCheckpointer:
     if _has_arrays(meta["skeleton"]):
       arrays = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore()))["arrays"]
       arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    return join_state(arrays, meta["skeleton"]), {"step": step, "rounds": meta.get("rounds", 0)}
+    return join_state(arrays, meta["skeleton"]), {"step": step, "rounds": meta["rounds"]}
 
   def wait(self) -> None:
     """Block until a pending asynchronous save is on disk."""
@@ -154,12 +152,15 @@ def _has_arrays(skeleton) -> bool:
   return False
 
 
-def save_core(checkpointer: SyncerCheckpointer, core, *, rounds: int = 0) -> int:
-  """Checkpoint a SyncerCore (its state_dict is a consistent snapshot taken under the core's lock)."""
-  return checkpointer.save(core.state_dict(), rounds=rounds)
+def save_core(checkpointer: SyncerCheckpointer, core: SyncerCore, *, rounds: int = 0) -> int:
+  """Checkpoint a SyncerCore (its state_dict is a consistent snapshot taken under the core's lock).
+
+  Copies of the state: the snapshot itself (under the lock: the core updates its arrays in place) and
+  orbax's own copy of host arrays before an asynchronous write; `split_state` adds none."""
+  return checkpointer.save(core.state_dict(), rounds=rounds, copy=False)
 
 
-def restore_core(checkpointer: SyncerCheckpointer, core, step: int | None = None) -> dict | None:
+def restore_core(checkpointer: SyncerCheckpointer, core: SyncerCore, step: int | None = None) -> dict | None:
   """Load the latest (or given) step into a SyncerCore; return its info, or None if there is none."""
   if step is None and checkpointer.latest_step() is None:
     return None

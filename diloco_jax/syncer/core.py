@@ -1,14 +1,17 @@
 """The syncer's state machine: membership, per-fragment rounds, merges and outer steps. No transport.
 
-One `SyncerCore` serves all learners of a run. Transports (`diloco_jax.transport.InProcessTransport`, the
-gRPC server) call `join`, `heartbeat`, `push`, `pull`, and something calls `tick` at `next_deadline()`
-(`transport.Ticker`; `push`, `heartbeat` and a blocking `pull` tick too). The clock is injectable, so the
+One `SyncerCore` serves all learners of a run; it implements `protocol.SyncerAPI`. Transports
+(`transports/inprocess.py`, the gRPC service `syncer/service.py`) call `join`, `heartbeat`, `push`, `pull`,
+and `syncer/ticker.py` calls `tick` at `next_deadline()` (`push`, `heartbeat` and a blocking `pull` tick
+too). The clock is injectable, so the
 whole policy can be tested with a fake clock and no sleeps.
 
 Membership. A learner joins with the run's fingerprint (another fingerprint is refused) and holds a lease
 of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
 not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
 until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
+and read the status without joining, and a join with one is refused, so an observer is never a member.
 
 Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
@@ -17,115 +20,84 @@ where step_time is `estimate_step_time` of the live learners' reported step time
 average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
 early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
 Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
+(1 + s)^-beta), merge (the weighted mean, optionally RDA), with `scale_partial_rounds` the merged outer
 gradient scaled by `outer.participation` (k of n live learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
-after its round's deadline goes into the next round (never lost); one based on an older version ("late")
-is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
-contributions merged (quorum counts it once).
+fragment published for the downlink (below), and waiting pulls are woken. Contributions are held as they
+arrived (their payloads, checked at push time: checksum, finiteness and norm, none of which decodes a
+quantized payload), and the close decodes, weighs, sums and steps them in one chunked pass over the
+fragment (`outer.apply_round`, on `merge_threads` threads), updating the global and its momentum in
+place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
+based on an older version ("late") is merged with its staleness discount. A learner pushing the same
+fragment twice into one round has both contributions merged (quorum counts it once).
 
-Downlink. With `downlink_codec` "fp32" every pull answers the global fragment Theta_v itself (kind
-"full"). With a lossy downlink codec the syncer never quantizes the weights: it publishes the quantized
-*change* of what learners hold ("reference-tracking delta"). It keeps, per fragment, the reference R_v:
-exactly (bitwise, float32) what a learner holds after adopting version v, with R_0 = Theta_0 (learners build
-the initial fragment bitwise-identically from the seed). On each commit
+Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
+created and on every `load_state_dict`.
 
-    payload_v = encode(Theta_v - R_{v-1}, downlink_codec),   R_v = R_{v-1} + decode(payload_v)
-
-(one float32 numpy add, which the learner repeats on its device with the same IEEE rounding). The
-quantization residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most
-one quantization error of one delta instead of drifting. A pull that says it holds R_{v-1}
-(`have_version == v - 1`) gets the delta (kind "delta", `base_version` v - 1); any other gets R_v in fp32
-(kind "full": joins, restarts, learners that fell more than one version behind). Only the latest delta is
-kept, so the syncer holds about Theta, momentum, R and a cached full payload per fragment.
-
-Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
-older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
-still hold from before the crash. So the core draws a random nonzero 63-bit `epoch` when it is created
-and again on every `load_state_dict` (it is never checkpointed), stamps it on every `Published`, and a
-puller names the epoch of its reference too (`have_epoch`): the delta is served only to
-`have_version == v - 1` with `have_epoch == epoch`. The one exception is `have_version == 0`: R_0 is the
-seed's initial fragment in every epoch of a run (a checkpoint at version 0 holds it unchanged), so fresh
-learners, which hold R_0 before they ever heard of an epoch, still get their first delta.
+Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
+Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
+`STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
 
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
 changes nothing else.
+
+Merge safety (nothing a single push claims or sends can dominate a merge or poison the global):
+* Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
+  whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
+  per-learner batch tokens of one inner step): "overclaim". The merge weight then counts at most one
+  schedule period: tokens and steps enter `outer.merge_weights` capped at `sync_every` steps (and their
+  tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
+  more than an honest learner's full period.
+* Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
+  norm is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
+  that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
+  accepted (a new run, a restart), the global fragment's own norm (an outer gradient is one period's
+  change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
+  median in a tiny_cpu run is about 3 (the first full period after the lr warm-up's short ones).
+* Finiteness. A round whose merged update, new global fragment or outer-optimizer state would hold a
+  non-finite value is refused whole: nothing changes (version, global, momentum: the in-place step writes
+  only a result that the norms of its inputs prove finite, or that a read-only pass found finite, see
+  `outer.apply_round`), its contributions are dropped (`counters["rounds_refused"]`,
+  `counters["contributions_dropped"]`, an error log line), and pulls waiting for the next version get the
+  current one at once (as after a rejected push), so no learner waits on a version that its dropped push
+  was to make.
+* Idempotency. A push with a key (`Push.incarnation` != 0) that this core already accepted gets its
+  original receipt and is not merged again (`counters["pushes_duplicate"]`); the same key on another
+  payload is refused ("key_conflict"). The last `KEYS_PER_LEARNER` keys of each learner are kept; the
+  keys of settled contributions (their round closed) go into checkpoints, so a retry that reaches a
+  restarted syncer is merged again only if the checkpoint does not hold its effect.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
-import secrets
+import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import outer
+from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected, shorten
+from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
 
-REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
-           "checksum", "metadata", "nonfinite", "future_version")
+log = logging.getLogger(__name__)
+
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
-
-
-def new_epoch() -> int:
-  """A random nonzero 63-bit syncer epoch (0 means "unknown" on the wire; 63 bits fit signed int64 too)."""
-  return secrets.randbelow(2**63 - 1) + 1
-
-
-class Rejected(Exception):
-  """A request the syncer refuses. `reason` is one of `REASONS` (pushes) and the message says why."""
-
-  def __init__(self, reason: str, message: str):
-    super().__init__(f"{reason}: {message}")
-    self.reason = reason
-    self.message = message
-
-
-@dataclasses.dataclass(frozen=True)
-class Push:
-  """A learner's outer gradient for one fragment. `payload` encodes delta = base - local with `codec`."""
-
-  learner_id: int
-  fingerprint: str
-  fragment: int
-  base_version: int  # the version of the global fragment the learner's base is
-  steps: int  # inner steps since that fragment's last sync
-  tokens: int  # tokens over those steps
-  codec: str
-  payload: bytes
-  checksum: int  # codec.checksum(payload)
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReceipt:
-  fragment: int
-  round: int  # the round of the fragment this contribution went into
-  late: bool  # base_version < the fragment's version when the push arrived
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-  """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`.
-
-  kind "full": the decoded vector is the fragment at `version` (R_version; Theta_version with an fp32
-  downlink). kind "delta": it is R_version - R_base_version, to be added (one float32 add) to the reference
-  the learner holds, which must be the one of `base_version` (= version - 1) of the same `epoch`.
-  """
-
-  fragment: int
-  version: int
-  codec: str
-  payload: bytes
-  checksum: int
-  kind: str = "full"  # "full" | "delta"
-  base_version: int = -1  # for a delta: the version whose reference it applies to; -1 for a full fragment
-  epoch: int = 0  # the serving syncer's epoch (module docstring, "Epochs"); 0: unknown (an old syncer)
+NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
+NORM_WARMUP = 4  # accepted norms needed before the median is the reference
+NORM_FLOOR = 1e-3  # the median reference never falls below this times the global fragment's norm
+WARMUP_RMS = 0.1  # before NORM_WARMUP accepted norms, the reference is at least this RMS per element
+KEYS_PER_LEARNER = 16  # idempotency keys remembered per learner
+STATUS_MEMBERS = 64  # members shown in detail by `status` (all are counted)
+STATUS_IDS = 1024  # ids listed by `status` (live learners, round contributors); all are counted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +118,13 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
+  num_learners: int = 1  # learner ids lie in [0, num_learners)
+  # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
+  tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
+  sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
+  max_push_steps: int = 0  # train.steps: no push may claim more
+  max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -164,6 +143,17 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if self.merge_threads < 1:
+      raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
+                       f"{self.merge_threads}")
+    if self.num_learners < 1:
+      raise ValueError(f"learners.num must be >= 1, got {self.num_learners}")
+    for field, value in (("tokens_per_step", self.tokens_per_step), ("sync_every", self.sync_every),
+                         ("max_push_steps", self.max_push_steps)):
+      if value < 0:
+        raise ValueError(f"{field} must be >= 0 (0: no bound), got {value}")
+    if not self.max_norm_ratio >= 0:
+      raise ValueError(f"outer.max_norm_ratio must be >= 0 (0: off), got {self.max_norm_ratio}")
 
   @classmethod
   def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
@@ -173,7 +163,7 @@ class SyncerSettings:
         num_fragments=plan.num_fragments,
         sizes=tuple(plan.size(p) for p in range(plan.num_fragments)),
         codec=o.codec,
-        downlink_codec=o.get("downlink_codec", o.codec),
+        downlink_codec=o.downlink_codec,
         block=o.codec_block,
         merge_rule=o.merge,
         rda=bool(o.rda),
@@ -184,7 +174,13 @@ class SyncerSettings:
                             min_grace_s=o.min_grace_s, max_grace_s=o.max_grace_s),
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
-        scale_partial_rounds=bool(o.get("scale_partial_rounds", False)),
+        scale_partial_rounds=bool(o.scale_partial_rounds),
+        merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
+        num_learners=int(config.learners.num),
+        tokens_per_step=int(config.data.global_batch // config.learners.num * config.data.seq_len),
+        sync_every=int(o.sync_every),
+        max_push_steps=int(config.train.steps),
+        max_norm_ratio=float(o.max_norm_ratio),
     )
 
 
@@ -194,6 +190,12 @@ class _Member:
   step_time_s: float = 0.0
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
+  step: int | None = None  # the learner's inner step, as its last heartbeat reported it
+  step_at: float | None = None  # clock time of that heartbeat
+  last_push: float | None = None  # clock time of its last accepted push
+  # Inner steps of its contributions merged since this syncer started, summed over fragments (each
+  # fragment's contributions count the same steps: `status` divides by P).
+  steps_merged: int = 0
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -203,10 +205,24 @@ class _Member:
 class _Contribution:
   learner_id: int
   base_version: int
-  steps: int
+  steps: int  # as claimed (within the bounds)
   tokens: int
-  delta: np.ndarray
+  # The outer gradient as it arrived (checked, not decoded: a round decodes its contributions chunk by
+  # chunk when it closes, see `outer.apply_round`), and its L2 norm (taken at push time from the payload,
+  # `codec.norm`: the outlier check, RDA and the round's finiteness bound use it).
+  encoded: codec_lib.Encoded
+  norm: float
   arrived: float
+  weight_steps: int  # what the merge weight counts: capped at one schedule period
+  weight_tokens: int
+  key: tuple[int, int] | None = None  # (incarnation, sequence)
+
+
+@dataclasses.dataclass
+class _KeyRecord:
+  checksum: int
+  receipt: PushReceipt
+  settled: bool = False  # its round closed (merged or refused): checkpoints keep the key
 
 
 @dataclasses.dataclass
@@ -214,6 +230,7 @@ class _Round:
   opened: float
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
+  quorum_at: float | None = None  # when the quorum was reached (the grace window runs from here)
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -235,6 +252,11 @@ def _new_counters() -> dict[str, Any]:
       "joins": 0,
       "leaves": 0,
       "leases_expired": 0,
+      "members_pruned": 0,
+      "pushes_duplicate": 0,
+      "rounds_refused": 0,  # rounds that would have published a non-finite value
+      "contributions_dropped": 0,  # the contributions of those rounds
+      "tick_errors": 0,  # exceptions the ticker survived
   }
 
 
@@ -252,66 +274,122 @@ class SyncerCore:
                        f"{settings.num_fragments}")
     self.settings = settings
     self.clock = clock
-    self.epoch = new_epoch()  # redrawn by load_state_dict; see the module docstring, "Epochs"
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
       frag = np.array(frag, np.float32).reshape(-1)
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
-    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
-    # The references R_v (see the module docstring). With an fp32 downlink R_v is Theta_v itself, shared.
-    self._delta_downlink = settings.downlink_codec != "fp32"
-    self._refs = [g.copy() if self._delta_downlink else g for g in self._globals]
-    self._deltas: list[Published | None] = [None] * settings.num_fragments  # the latest version's delta
+    # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
+    self._momenta = [np.zeros_like(g) for g in self._globals]
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
+    self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(settings.num_fragments)]
+    # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
+    # lets a round prove its result finite before writing in place (`outer.apply_round`).
+    self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
+    self._momentum_norms = [0.0] * settings.num_fragments
+    self._refused_at = [-1] * settings.num_fragments  # the version a refused round left in place
+    self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
     self.counters = _new_counters()
-    # The full answer per fragment; built lazily with a delta downlink (only joins and laggards need it).
-    self._full: list[Published | None] = [self._publish_full(p) for p in range(settings.num_fragments)]
+    # Since this core started (not checkpointed; `status` reports them): rounds closed, their distinct
+    # contributors and their grace waits (quorum to close), summed.
+    self._started = clock()
+    self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
+    self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
+                              epoch=new_epoch(), threads=settings.merge_threads)
+
+  @property
+  def epoch(self) -> int:
+    """This syncer lifetime's epoch (`syncer/downlink.py`); redrawn by `load_state_dict`."""
+    return self._downlink.epoch
+
+  def max_payload_bytes(self) -> int:
+    """The largest valid push payload: the largest fragment in the run's uplink codec."""
+    s = self.settings
+    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
+
+  def count(self, name: str, n: int = 1) -> None:
+    """Add to one of `counters` (e.g. "tick_errors", counted by the ticker)."""
+    with self._lock:
+      self.counters[name] = self.counters.get(name, 0) + n
+
+  # ---- identity ----
+
+  def _refuse(self, reason: str, message: str) -> Rejected:
+    # Called with the lock held: counts the refusal by reason.
+    self.counters["rejected"][reason] += 1
+    return Rejected(reason, message)
+
+  def _id_problem(self, learner_id) -> str | None:
+    """Why `learner_id` is not one of this run's learners, or None if it is."""
+    if isinstance(learner_id, int) and 0 <= learner_id < self.settings.num_learners:
+      return None
+    return (f"learner id {shorten(learner_id)} is not one of this run's learners "
+            f"[0, learners.num={self.settings.num_learners})")
+
+  def _check_id_locked(self, learner_id) -> None:
+    problem = self._id_problem(learner_id)
+    if problem:
+      raise self._refuse("learner_id", problem)
+
+  def check_learner_id(self, learner_id: int) -> None:
+    """Raise Rejected("learner_id") unless 0 <= learner_id < learners.num."""
+    with self._lock:
+      self._check_id_locked(learner_id)
 
   # ---- membership ----
 
   def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
     """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
     with self._lock:
+      self._check_id_locked(learner_id)
       if fingerprint != self.settings.fingerprint:
-        raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
-                       f"syncer serves {self.settings.fingerprint!r} (different run or config)")
+        raise self._refuse("fingerprint", f"learner {learner_id} has run fingerprint {shorten(fingerprint)}, "
+                           f"this syncer serves {self.settings.fingerprint!r} (different run or config)")
       now = self.clock()
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
-                                          step_time_s=old.step_time_s if old else 0.0)
+                                          step_time_s=old.step_time_s if old else 0.0,
+                                          step=old.step if old else None,
+                                          step_at=old.step_at if old else None,
+                                          last_push=old.last_push if old else None,
+                                          steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
       return dict(enumerate(self._versions))
 
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is not None and not member.left:
         member.left = True
         self.counters["leaves"] += 1
       self._tick_locked()
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate;
+    `step` (its inner step, if it says) is shown by `status`."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is None:
-        raise Rejected("unknown_learner", f"learner {learner_id} never joined this syncer")
+        raise Rejected("unknown_learner", f"learner {learner_id} is not a member of this syncer (never "
+                       "joined, or pruned after its lease lapsed): join again")
       if member.left:
         raise Rejected("not_member", f"learner {learner_id} left; join again")
       member.lease_until = self.clock() + self.settings.lease_s
       member.expiry_counted = False
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
+      if step is not None:
+        member.step, member.step_at = int(step), self.clock()
       self._tick_locked()
 
   def live_learners(self) -> list[int]:
@@ -325,24 +403,44 @@ class SyncerCore:
 
   def _reject(self, reason: str, message: str) -> Rejected:
     # Called with the lock held; the counters are the only state a rejection changes.
-    self.counters["rejected"][reason] += 1
     self.counters["contributions_rejected"] += 1
-    return Rejected(reason, message)
+    return self._refuse(reason, message)
+
+  def _check_sender_locked(self, push: Push) -> None:
+    """Who sent it: a learner of this run (checked before anything else, duplicates included)."""
+    problem = self._id_problem(push.learner_id)
+    if problem:
+      raise self._reject("learner_id", problem)
+    if push.fingerprint != self.settings.fingerprint:
+      raise self._reject("fingerprint", f"push fingerprint {shorten(push.fingerprint)} != run "
+                         f"{self.settings.fingerprint!r}")
+
+  def _seen_locked(self, push: Push) -> PushReceipt | None:
+    """The original receipt if this push's idempotency key was accepted before, else None."""
+    if not push.incarnation:
+      return None
+    record = self._keys.get(push.learner_id, {}).get((push.incarnation, push.sequence))
+    if record is None:
+      return None
+    if record.checksum != push.checksum:
+      raise self._reject("key_conflict", f"learner {push.learner_id} reused push key "
+                         f"({push.incarnation}, {push.sequence}) for a different payload")
+    self.counters["pushes_duplicate"] += 1
+    return record.receipt
 
   def _validate_locked(self, push: Push) -> None:
     s = self.settings
     member = self._members.get(push.learner_id)
     if member is None:
-      raise self._reject("unknown_learner", f"learner {push.learner_id} never joined this syncer")
-    if push.fingerprint != s.fingerprint:
-      raise self._reject("fingerprint", f"push fingerprint {push.fingerprint!r} != run {s.fingerprint!r}")
+      raise self._reject("unknown_learner", f"learner {push.learner_id} is not a member of this syncer "
+                         "(never joined, or pruned after its lease lapsed)")
     if not member.live(self.clock()):
       why = "left" if member.left else "lease expired (heartbeat to renew)"
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
     if not 0 <= push.fragment < s.num_fragments:
       raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
     if push.codec != s.codec:
-      raise self._reject("codec", f"push codec {push.codec!r}, this run uses {s.codec!r}")
+      raise self._reject("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
     want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
     if len(push.payload) != want:
       raise self._reject("shape", f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a "
@@ -353,36 +451,89 @@ class SyncerCore:
     if push.base_version > self._versions[push.fragment]:
       raise self._reject("future_version", f"base_version {push.base_version} is ahead of fragment "
                          f"{push.fragment}'s version {self._versions[push.fragment]}")
+    if s.max_push_steps and push.steps > s.max_push_steps:
+      raise self._reject("overclaim", f"{push.steps} steps claimed; no learner of this run takes more than "
+                         f"train.steps={s.max_push_steps}")
+    if s.tokens_per_step and push.tokens > push.steps * s.tokens_per_step:
+      raise self._reject("overclaim", f"{push.tokens} tokens claimed over {push.steps} steps; a learner "
+                         f"takes at most {s.tokens_per_step} tokens per step")
+
+  def _weight_inputs(self, push: Push) -> tuple[int, int]:
+    """(steps, tokens) as the merge weight counts them: at most one schedule period's."""
+    s = self.settings
+    steps, tokens = push.steps, push.tokens
+    if s.sync_every:
+      steps = min(steps, s.sync_every)
+      if s.tokens_per_step:
+        tokens = min(tokens, s.sync_every * s.tokens_per_step)
+    return steps, tokens
+
+  def _norm_reference_locked(self, p: int) -> tuple[float, str]:
+    """The norm fragment p's outer gradients are compared with, and what it is."""
+    history = self._norms[p]
+    if len(history) >= NORM_WARMUP:
+      return (max(float(np.median(history)), NORM_FLOOR * self._global_norms[p]),
+              f"the median of its last {len(history)} accepted norms")
+    # A fragment that is all zeros still gets a usable scale: an RMS of WARMUP_RMS per element.
+    return (max(self._global_norms[p], WARMUP_RMS * math.sqrt(self.settings.sizes[p])),
+            "the global fragment's own norm (too few accepted pushes yet)")
 
   def push(self, push: Push) -> PushReceipt:
     """Accept one contribution into its fragment's open round (or raise Rejected), then tick."""
     s = self.settings
     with self._lock:
+      self._check_sender_locked(push)
+      receipt = self._seen_locked(push)
+      if receipt is not None:
+        return receipt
       self._validate_locked(push)
-    # Checksum and decode outside the lock: they are the expensive part and need no state.
+    # Checksum, finiteness and norm outside the lock: they are the expensive part and need no state. The
+    # payload is not decoded (the round's close does that, chunk by chunk): finiteness from its scales,
+    # the norm from its codes and scales (`codec.finite`, `codec.norm`).
     problem = None
     if codec_lib.checksum(push.payload) != push.checksum:
       problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
                  f"{push.checksum:#010x}")
     else:
-      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
-      if not np.isfinite(delta).all():
+      encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not codec_lib.finite(encoded, threads=s.merge_threads):
         problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
+      else:
+        norm = codec_lib.norm(encoded, threads=s.merge_threads)
     with self._lock:
       if problem is not None:
         raise self._reject(*problem)
+      receipt = self._seen_locked(push)  # the same key may have been accepted meanwhile (a retry)
+      if receipt is not None:
+        return receipt
+      p = push.fragment
+      if s.max_norm_ratio > 0:
+        reference, what = self._norm_reference_locked(p)
+        if not norm <= s.max_norm_ratio * reference:
+          raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} exceeds "
+                             f"outer.max_norm_ratio={s.max_norm_ratio:g} x {reference:.4g}, {what}")
       # Close whatever is due first: a push after a round's deadline belongs to the next round.
       self._tick_locked()
       now = self.clock()
-      p = push.fragment
       late = push.base_version < self._versions[p]
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
+      key = (push.incarnation, push.sequence) if push.incarnation else None
+      weight_steps, weight_tokens = self._weight_inputs(push)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
-                                                       push.tokens, delta, now))
+                                                       push.tokens, encoded, norm, now, weight_steps,
+                                                       weight_tokens, key))
+      if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
+        self._norms[p].append(norm)
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
+      self._members[push.learner_id].last_push = now
       receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late)
+      if key is not None:
+        keys = self._keys.setdefault(push.learner_id, collections.OrderedDict())
+        keys[key] = _KeyRecord(push.checksum, receipt)
+        while len(keys) > KEYS_PER_LEARNER:
+          keys.popitem(last=False)
       self._tick_locked()
       return receipt
 
@@ -396,14 +547,22 @@ class SyncerCore:
   def _step_time(self, now: float) -> float:
     return estimate_step_time([self._members[i].step_time_s for i in self._live(now)])
 
+  def _prune_locked(self, now: float) -> None:
+    """Forget members whose lease lapsed (or that left) more than a lease ago: they join again."""
+    stale = [i for i, m in self._members.items() if not m.live(now) and now > m.lease_until + self.settings.lease_s]
+    for i in stale:
+      del self._members[i]
+    self.counters["members_pruned"] += len(stale)
+
   def _tick_locked(self) -> list[int]:
     now = self.clock()
     for m in self._members.values():
       if not m.left and not m.live(now) and not m.expiry_counted:
         m.expiry_counted = True
         self.counters["leases_expired"] += 1
+    self._prune_locked(now)
     live = set(self._live(now))
-    committed = []
+    committed, refused = [], False
     for p, rnd in enumerate(self._open):
       if rnd is None:
         continue
@@ -415,78 +574,80 @@ class SyncerCore:
           grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
                                  self._t_sync[p])
           rnd.deadline = quorum_at + grace
+          rnd.quorum_at = quorum_at
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or live <= set(contributors):
-        self._close_locked(p)
-        committed.append(p)
-    if committed:
+        if self._close_locked(p):
+          committed.append(p)
+        else:
+          refused = True
+    if committed or refused:
       self._cond.notify_all()
     return committed
 
-  def _close_locked(self, p: int) -> None:
+  def _close_locked(self, p: int) -> bool:
+    """Merge and publish fragment p's open round; False if it was refused (a non-finite result)."""
     s = self.settings
     rnd = self._open[p]
     self._open[p] = None
     started = self.clock()
     cs = rnd.contributions
-    weights = outer.merge_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule,
+    for c in cs:
+      if c.key is not None and c.key in self._keys.get(c.learner_id, {}):
+        self._keys[c.learner_id][c.key].settled = True
+    weights = outer.merge_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule,
                                   staleness=[self._versions[p] - c.base_version for c in cs],
                                   beta=s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    scale = 1.0
     if s.scale_partial_rounds:
-      merged = merged * outer.participation(len(rnd.contributors()), len(self._live(started)))
-    self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
-                                                             merged)
+      scale = outer.participation(len(rnd.contributors()), len(self._live(started)))
+    # In place, all or nothing: a round that would leave a non-finite value writes nothing.
+    result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
+                               codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
+                               norms=[c.norm for c in cs], scale=scale, threads=s.merge_threads,
+                               state_norms=(self._global_norms[p], self._momentum_norms[p]))
+    if not result.applied:
+      # Nothing is published: the version, the global and the momentum stay; the contributions are dropped.
+      self._refused_at[p] = self._versions[p]
+      self.counters["rounds_refused"] += 1
+      self.counters["contributions_dropped"] += len(cs)
+      log.error("fragment %d: round %d refused, its %s would hold non-finite values; dropped %d "
+                "contributions from learners %s; version stays %d", p, self._rounds[p],
+                " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
+      return False
+    self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
     self._versions[p] += 1
     self._rounds[p] += 1
-    self._commit_downlink_locked(p)
+    self._downlink.commit(p, self._versions[p], self._globals[p])
     took = self.clock() - started
     first = self._t_sync[p] == 0.0
     self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+    self._since_start["rounds"] += 1
+    self._since_start["contributors"] += len(rnd.contributors())
+    self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
+    for c in cs:
+      if c.learner_id in self._members:
+        self._members[c.learner_id].steps_merged += c.steps
+    return True
 
-  def _commit_downlink_locked(self, p: int) -> None:
-    """Publish the fragment's new version: the full fp32 Theta_v, or the delta from R_{v-1} and R_v."""
-    s = self.settings
-    if not self._delta_downlink:
-      self._refs[p] = self._globals[p]
-      self._full[p] = self._publish_full(p)
-      return
-    version = self._versions[p]
-    payload = codec_lib.encode(self._globals[p] - self._refs[p], s.downlink_codec, s.block)
-    self._refs[p] = self._refs[p] + codec_lib.decode(payload, s.downlink_codec, s.sizes[p], s.block)
-    self._deltas[p] = Published(fragment=p, version=version, codec=s.downlink_codec, payload=payload,
-                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1,
-                                epoch=self.epoch)
-    self._full[p] = None
+  def global_fragments(self) -> list[np.ndarray]:
+    """Copies of the global fragments Theta (what the run trains)."""
+    with self._lock:
+      return [g.copy() for g in self._globals]
 
-  def _publish_full(self, p: int) -> Published:
-    payload = codec_lib.encode(self._refs[p], "fp32", self.settings.block)
-    return Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
-                     checksum=codec_lib.checksum(payload), epoch=self.epoch)
-
-  def _answer_locked(self, p: int, have_version: int, have_epoch: int) -> Published:
-    """The delta if the puller holds this epoch's R_{v-1} and we have that delta, else the full R_v."""
-    delta = self._deltas[p]
-    # R_0 is the same in every epoch (module docstring, "Epochs"); any later reference is only known to
-    # match ours if the puller got it from this epoch.
-    same_reference = have_epoch == self.epoch or have_version == 0
-    if (delta is not None and delta.version == self._versions[p] and have_version >= 0
-        and have_version == delta.base_version and same_reference):
-      self.counters["pulls_delta"] += 1
-      return delta
-    if self._full[p] is None or self._full[p].version != self._versions[p]:
-      self._full[p] = self._publish_full(p)
-    self.counters["pulls_full"] += 1
-    return self._full[p]
+  def rounds_closed(self) -> int:
+    """Rounds closed so far over all fragments (the sum of the fragment versions)."""
+    with self._lock:
+      return sum(self._versions)
 
   def reference(self, fragment: int) -> tuple[int, np.ndarray]:
     """(version, a copy of R_version): exactly what a learner that adopted that version holds."""
     with self._lock:
-      return self._versions[fragment], self._refs[fragment].copy()
+      return self._versions[fragment], self._downlink.reference(fragment)
 
   def next_deadline(self) -> float | None:
     """When `tick` should next run (clock time), or None if no round is open. Before a round's quorum,
@@ -519,8 +680,11 @@ class SyncerCore:
     with self._lock:
       while True:
         self._tick_locked()
-        if self._versions[fragment] >= min_version:
-          published = self._answer_locked(fragment, have_version, have_epoch)
+        version = self._versions[fragment]
+        # After a refused round, a wait for the version it was to make ends with the current one.
+        if version >= min_version or (self._refused_at[fragment] == version and min_version == version + 1):
+          published = self._downlink.answer(fragment, have_version, have_epoch)
+          self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
           return published
         remaining = give_up - time.monotonic()
@@ -534,19 +698,45 @@ class SyncerCore:
   # ---- introspection and checkpoints ----
 
   def status(self) -> dict:
-    """Members, versions, open rounds and counters, as plain JSON-able values."""
+    """Members, versions, open rounds and counters, as plain JSON-able values. Bounded whatever the
+    membership: at most `STATUS_MEMBERS` members in detail (live ones first) and `STATUS_IDS` ids per
+    list, with counts of all.
+
+    `since_start`: rounds closed since this core started, with their distinct contributors and grace waits
+    (quorum to close) summed. `goodput_estimate`: the syncer's view of goodput since it started, sum over
+    members of (steps merged / P) x step time, over (learners provisioned x uptime): compute whose tokens
+    reached the global model, as a fraction of the time the run held its learners (start-up and compile
+    time, blocked waits, dead time and work not merged count as lost).
+    """
     with self._lock:
       now = self.clock()
+      uptime = now - self._started
+      provisioned = max(self.settings.num_learners, len(self._members)) * uptime
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
+      live = self._live(now)
+      shown = live[:STATUS_MEMBERS]
+      if len(shown) < STATUS_MEMBERS:
+        shown += sorted(i for i in self._members if i not in set(live))[:STATUS_MEMBERS - len(shown)]
       return {
           "fingerprint": self.settings.fingerprint,
           "epoch": self.epoch,
-          "live": self._live(now),
+          "uptime_s": uptime,
+          "since_start": dict(self._since_start),
+          "num_learners": self.settings.num_learners,
+          "goodput_estimate": useful / provisioned if provisioned > 0 else 0.0,
+          "live": live[:STATUS_IDS],
+          "member_count": {"total": len(self._members), "live": len(live), "shown": len(shown)},
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
-                               "lease_left_s": max(m.lease_until - now, 0.0)}
-                      for i, m in sorted(self._members.items())},
+                               "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
+                               "step_ago_s": None if m.step_at is None else now - m.step_at,
+                               "last_push_ago_s": None if m.last_push is None else now - m.last_push,
+                               "steps_merged": m.steps_merged / self.settings.num_fragments}
+                      for i, m in ((i, self._members[i]) for i in sorted(shown))},
           "versions": list(self._versions),
           "rounds": list(self._rounds),
-          "open_rounds": {str(p): {"contributors": r.contributors(), "contributions": len(r.contributions),
+          "open_rounds": {str(p): {"contributors": r.contributors()[:STATUS_IDS],
+                                   "contributor_count": len(r.contributors()),
+                                   "contributions": len(r.contributions),
                                    "deadline_in_s": None if r.deadline is None else r.deadline - now}
                           for p, r in enumerate(self._open) if r is not None},
           "step_time_s": self._step_time(now),
@@ -555,7 +745,7 @@ class SyncerCore:
       }
 
   def state_dict(self) -> dict:
-    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
+    """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
     numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
     restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
     included: the epoch, membership (learners rejoin after a
@@ -565,18 +755,17 @@ class SyncerCore:
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
-          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "opt_states": [m.copy() for m in self._momenta],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
-          # With an fp32 downlink R is Theta: not stored twice.
-          "downlink_codec": self.settings.downlink_codec,
-          "references": [r.copy() for r in self._refs] if self._delta_downlink else None,
-          "deltas": [None if d is None else {"version": d.version, "base_version": d.base_version,
-                                             "payload": np.frombuffer(d.payload, np.uint8).copy()}
-                     for d in self._deltas],
+          # Idempotency keys of settled contributions, whose effect this state holds: [learner,
+          # incarnation, sequence, checksum, fragment, round, late].
+          "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late]
+                        for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
+          **self._downlink.state_dict(),
       }
 
   def load_state_dict(self, state: dict) -> None:
@@ -586,55 +775,36 @@ class SyncerCore:
     reached again with other references (module docstring, "Epochs").
     """
     s = self.settings
-    if state.get("fingerprint", s.fingerprint) != s.fingerprint:
+    if state["fingerprint"] != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
-    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
+    global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
+    momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
     versions = [int(v) for v in state["versions"]]
-    epoch = new_epoch()
-    refs, deltas = self._restore_downlink(state, fragments, versions, epoch)
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+                                threads=s.merge_threads)
     with self._lock:
-      self.epoch = epoch
       self._globals = fragments
-      self._opt_states = opt_states
+      self._momenta = momenta
       self._versions = versions
-      self._refs, self._deltas = refs, deltas
+      self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
-      self._t_sync = [float(t) for t in state.get("t_sync", [0.0] * s.num_fragments)]
+      self._t_sync = [float(t) for t in state["t_sync"]]
       counters = _new_counters()
       for k, v in state["counters"].items():
         counters[k] = {r: int(n) for r, n in v.items()} if k == "rejected" else v
       counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
       self.counters = counters
       self._open = [None] * s.num_fragments
-      self._full = [None] * s.num_fragments
-      if not self._delta_downlink:
-        self._full = [self._publish_full(p) for p in range(s.num_fragments)]
+      self._global_norms, self._momentum_norms = global_norms, momentum_norms
+      self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(s.num_fragments)]
+      self._refused_at = [-1] * s.num_fragments
+      self._keys = {}
+      for i, incarnation, sequence, checksum, fragment, rnd, late in state.get("push_keys", []):
+        receipt = PushReceipt(fragment=int(fragment), round=int(rnd), late=bool(late))
+        self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
+            _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()
-
-  def _restore_downlink(self, state: dict, fragments: list[np.ndarray], versions: list[int], epoch: int):
-    """References and latest deltas from a state dict. A checkpoint without references (an fp32 downlink
-    run, or an older format) gives R = Theta: what its learners were served; its deltas are dropped."""
-    s = self.settings
-    if not self._delta_downlink:
-      return list(fragments), [None] * s.num_fragments
-    saved = state.get("references")
-    if saved is None:
-      return [f.copy() for f in fragments], [None] * s.num_fragments
-    refs = [np.array(r, np.float32).reshape(-1) for r in saved]
-    if [r.size for r in refs] != list(s.sizes):
-      raise ValueError(f"checkpoint reference sizes {[r.size for r in refs]} != {list(s.sizes)}")
-    deltas: list[Published | None] = [None] * s.num_fragments
-    if state.get("downlink_codec") == s.downlink_codec:  # another codec's deltas cannot be served as ours
-      for p, d in enumerate(state.get("deltas") or []):
-        if d is None or int(d["version"]) != versions[p]:
-          continue
-        payload = np.asarray(d["payload"], np.uint8).tobytes()
-        if len(payload) != codec_lib.encoded_size(s.sizes[p], s.downlink_codec, s.block):
-          continue
-        deltas[p] = Published(fragment=p, version=versions[p], codec=s.downlink_codec, payload=payload,
-                              checksum=codec_lib.checksum(payload), kind="delta",
-                              base_version=int(d["base_version"]), epoch=epoch)
-    return refs, deltas

@@ -10,8 +10,9 @@ syncer -> learner), each with
     are pipelined on a real link, so a transfer of n bytes costs `latency + n / bandwidth`, and a call with
     a reply costs one round trip (2 * latency) plus both transfers.
 
-The arithmetic (`TokenBucket.reserve`) is a pure function of a clock; `WanLink` only adds the sleeps, so
-tests drive it with a fake clock or measure it with the real one.
+The arithmetic (`ratelimit.TokenBucket.reserve`, shared with the syncer's rate limits) is a pure function
+of a clock; `WanLink` only adds the sleeps, so tests drive it with a fake clock or measure it with the real
+one.
 """
 
 from __future__ import annotations
@@ -21,34 +22,7 @@ import threading
 import time
 from typing import Callable
 
-
-class TokenBucket:
-  """A token bucket that may go into debt: `reserve(n)` takes n tokens now and says how long to wait.
-
-  Debt keeps the cap exact for chunks larger than the burst, and keeps arrival order fair between
-  threads: a later caller waits behind the bytes already reserved.
-  """
-
-  def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
-    if rate <= 0:
-      raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
-    if burst < 0:
-      raise ValueError(f"burst must be >= 0 bytes, got {burst}")
-    self.rate = float(rate)
-    self.burst = float(burst)
-    self._clock = clock
-    self._tokens = float(burst)  # starts full: the first burst goes out at once
-    self._last = clock()
-    self._lock = threading.Lock()
-
-  def reserve(self, n: int) -> float:
-    """Take n tokens; return the seconds the caller must wait before its n bytes are on the link."""
-    with self._lock:
-      now = self._clock()
-      self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-      self._last = now
-      self._tokens -= n
-      return max(0.0, -self._tokens / self.rate)
+from diloco_jax.ratelimit import TokenBucket
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,168 @@
+"""The syncer process: `python -m diloco_jax syncer`.
+
+    python -m diloco_jax syncer --config configs/tiny_cpu.py --workdir runs/syncer \\
+        --bind 127.0.0.1:50051 --token-file secrets/run.token --run-id r1
+
+It builds the core from the config (`syncer/build.py`: the global fragments start from the learners'
+initial parameters), resumes from the latest checkpoint in `--workdir`, serves it over gRPC (`syncer/service.py`,
+with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time (`syncer/ticker.py`), and
+checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown (SIGTERM/SIGINT: calls in
+flight get `syncer.shutdown_grace_s`, then a final checkpoint is written and waited for). The bound port is
+written to `WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to
+`WORKDIR/config.json` (fingerprint beside it), and the syncer's metrics over time (`syncer/monitor.py`) to
+`WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import signal
+import sys
+import threading
+
+from absl import flags
+
+from diloco_jax import cli
+from diloco_jax import config as config_lib
+from diloco_jax import metrics as metrics_lib
+from diloco_jax import protocol
+from diloco_jax.syncer import checkpoint
+from diloco_jax.syncer.auth import TlsConfig, check_bind
+from diloco_jax.syncer.build import build_core
+from diloco_jax.syncer.core import SyncerCore
+from diloco_jax.syncer.monitor import SyncerMonitor
+from diloco_jax.syncer.service import Limits, serve, workers_for
+from diloco_jax.syncer.ticker import Ticker
+
+log = logging.getLogger(__name__)
+
+
+class PeriodicCheckpointer:
+  """A daemon thread that checkpoints the core every `every_rounds` closed rounds (0 = only at stop)."""
+
+  def __init__(self, checkpointer: checkpoint.SyncerCheckpointer, core: SyncerCore, every_rounds: int,
+               poll_s: float = 1.0):
+    self._ckpt, self._core, self._every, self._poll = checkpointer, core, every_rounds, poll_s
+    self._last = core.rounds_closed()
+    self._stop = threading.Event()
+    self._lock = threading.Lock()  # one save at a time (the thread and the final save)
+    self._thread = threading.Thread(target=self._run, name="syncer-checkpoint", daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while not self._stop.wait(self._poll):
+      if self._every > 0 and self._core.rounds_closed() - self._last >= self._every:
+        try:
+          self.save()
+        except Exception:  # a full disk must not kill the syncer; the next attempt may succeed
+          log.exception("syncer checkpoint failed")
+
+  def save(self) -> int:
+    with self._lock:
+      rounds = self._core.rounds_closed()
+      step = checkpoint.save_core(self._ckpt, self._core, rounds=rounds)
+      self._last = rounds
+      return step
+
+  def stop(self) -> int:
+    """Stop the thread, write a final checkpoint and wait until it is on disk; return its step."""
+    self._stop.set()
+    self._thread.join()
+    step = self.save()
+    self._ckpt.wait()
+    return step
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "where syncer checkpoints and the port file go", flag_values=fv,
+                      required=True)
+  flags.DEFINE_string("bind", "127.0.0.1:50051", "host:port to serve on (port 0: any free port)",
+                      flag_values=fv)
+  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${protocol.TOKEN_ENV})",
+                      flag_values=fv)
+  flags.DEFINE_string("run-id", "", "run id, part of the fingerprint every learner must match",
+                      flag_values=fv)
+  flags.DEFINE_string("tls-cert", None, "PEM server certificate (enables TLS)", flag_values=fv)
+  flags.DEFINE_string("tls-key", None, "PEM private key of --tls-cert", flag_values=fv)
+  flags.DEFINE_string("tls-client-ca", None, "PEM CA: require client certificates it signed (mutual TLS)",
+                      flag_values=fv)
+  flags.DEFINE_bool("allow-remote", False, "permit binding a non-loopback address", flag_values=fv)
+  flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
+                       flag_values=fv)
+  flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
+
+
+def _tls_from_flags(fv) -> TlsConfig | None:
+  cert, key, client_ca = fv["tls-cert"].value, fv["tls-key"].value, fv["tls-client-ca"].value
+  if cert or key:
+    if not (cert and key):
+      raise cli.UsageError("--tls-cert and --tls-key go together")
+    return TlsConfig(cert, key, client_ca)
+  if client_ca:
+    raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+  return None
+
+
+def main(argv) -> int:
+  """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
+  tls = _tls_from_flags(fv)
+  try:
+    token = protocol.read_token(fv["token-file"].value)
+    check_bind(fv.bind, allow_remote=fv["allow-remote"].value, tls=tls)
+  except (OSError, ValueError) as e:
+    raise cli.UsageError(f"syncer: {e}") from None
+
+  workdir = pathlib.Path(fv.workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.save_resolved(config, workdir, fv["run-id"].value)
+  s = config.syncer
+  core, fingerprint = build_core(config, fv["run-id"].value)
+  ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
+  if fv.resume:
+    info = checkpoint.restore_core(ckpt, core)
+    if info:
+      print(f"syncer: resumed from checkpoint step {info['step']} ({info['rounds']} rounds)", flush=True)
+
+  stop = threading.Event()
+  received = []
+
+  def on_signal(signum, frame):
+    del frame
+    received.append(signum)
+    stop.set()
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+
+  ticker = Ticker(core)
+  handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
+                 data_plane=bool(config.syncer.data_plane),
+                 fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
+                 allow_remote=fv["allow-remote"].value)
+  periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
+  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
+  monitor = SyncerMonitor(core, metrics_log)
+  host = fv.bind.rsplit(":", 1)[0]
+  (workdir / "syncer.port").write_text(f"{handle.port}\n")
+  print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
+        f"({'TLS' if tls else 'plaintext'}); workdir {workdir}", flush=True)
+  while not stop.wait(1.0):
+    pass
+  print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
+  handle.stop(grace=float(s.shutdown_grace_s))
+  ticker.stop()
+  monitor.stop()
+  metrics_log.close()
+  step = periodic.stop()
+  ckpt.close()
+  print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",
+        flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,48 @@
+"""Between the model and the syncer: the core a run starts from, and the global model it holds.
+
+Kept apart from `syncer/app.py` (the gRPC process) so that the in-process run builds the same core
+without importing the gRPC service, and apart from `syncer/core.py`, which knows nothing of models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_jax import config as config_lib
+from diloco_jax import fragments
+from diloco_jax import model
+from diloco_jax.syncer.core import SyncerCore, SyncerSettings
+
+
+def fragment_plan(config, params: Any) -> fragments.FragmentPlan:
+  """The run's fragment plan for `params` (arrays or abstract shapes) from `config.outer`."""
+  o = config.outer
+  return fragments.make_plan(params, o.num_fragments, o.sync_every, o.fragment_plan)
+
+
+def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
+  """A fresh SyncerCore for `config` and its fingerprint: the global fragments start from the learners'
+  initial params (the same values every learner creates from `config.seed`)."""
+  params = model.init_params_host(config)
+  plan = fragment_plan(config, params)
+  initial = [fragments.gather(plan, params, p) for p in range(plan.num_fragments)]
+  fingerprint = config_lib.fingerprint(config, run_id)
+  return SyncerCore(SyncerSettings.from_config(config, plan, fingerprint), initial), fingerprint
+
+
+def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
+  """The syncer's global model as a nested dict of host arrays shaped like `template`."""
+  return fragments.assemble(plan, core.global_fragments(), template)
+
+
+def global_params_from_state(config, state: dict, run_id: str, template: Any) -> Any:
+  """The global model held in a syncer state dict (`SyncerCore.state_dict()`, as a syncer checkpoint
+  restores it) of the run `config` + `run_id`, shaped like `template` (abstract shapes suffice: no core and
+  no initial parameters are built, so exporting a big model costs only its fragments in host memory).
+
+  Raises ValueError when the state belongs to another run (its fingerprint differs)."""
+  fingerprint = config_lib.fingerprint(config, run_id)
+  if state["fingerprint"] != fingerprint:
+    raise ValueError(f"the syncer checkpoint is of another run (fingerprint {state['fingerprint']!r}, this config "
+                     f"and run id {run_id!r} give {fingerprint!r}): pass the run's config overrides and run id")
+  return fragments.assemble(fragment_plan(config, template), state["fragments"], template)

@@ -1,0 +1,60 @@
+"""A learner's transport to a `SyncerCore` in the same process (tests, `train`, benchmarks).
+
+It implements `protocol.Transport` by calling the core directly; the gRPC client implements the same
+interface over the network, and the learner does not know which one it has.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from diloco_jax.protocol import Published, Push, PushReceipt, SyncerAPI
+
+
+class InProcessTransport:
+  """One learner's transport to a core shared in-process. Counts payload bytes both ways; a refused push
+  still counts as sent (it crossed the "wire")."""
+
+  def __init__(self, core: SyncerAPI):
+    self.core = core
+    self._sent = 0
+    self._received = 0
+    self._lock = threading.Lock()  # the counters are updated from a learner's several threads
+
+  @property
+  def bytes_sent(self) -> int:
+    with self._lock:
+      return self._sent
+
+  @property
+  def bytes_received(self) -> int:
+    with self._lock:
+      return self._received
+
+  def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
+    return self.core.join(learner_id, fingerprint)
+
+  def leave(self, learner_id: int) -> None:
+    self.core.leave(learner_id)
+
+  def push(self, push: Push) -> PushReceipt:
+    with self._lock:
+      self._sent += len(push.payload)
+    return self.core.push(push)
+
+  def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
+           have_epoch: int = 0) -> Published | None:
+    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version, have_epoch=have_epoch)
+    if published is not None:
+      with self._lock:
+        self._received += len(published.payload)
+    return published
+
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    self.core.heartbeat(learner_id, step_time_s, step=step)
+
+  def status(self) -> dict:
+    return self.core.status()
+
+  def close(self) -> None:
+    pass

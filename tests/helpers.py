@@ -1,0 +1,243 @@
+"""Helpers shared by the tests: syncer cores and pushes, a fake clock, waiting, and real child processes.
+
+Test modules `import helpers` (pytest puts tests/ on sys.path); conftest.py has set the fake CPU devices
+before anything here imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from diloco_jax import codec as codec_lib
+from diloco_jax import launch_local
+from diloco_jax import shards
+from diloco_jax import tokenizer
+from diloco_jax.protocol import Push
+from diloco_jax.syncer.core import SyncerCore, SyncerSettings
+from diloco_jax.syncer.policy import QuorumPolicy
+from diloco_jax.transports.grpc import GrpcTransport
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FP = "fp-test"
+
+
+class FakeClock:
+  """An injectable clock the test moves by hand: `clock.t = 5.0`."""
+
+  def __init__(self, t: float = 0.0):
+    self.t = t
+
+  def __call__(self) -> float:
+    return self.t
+
+
+def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str = "fp32", block: int = 64,
+              k: int = 1, max_grace_s: float = 0.0, lr: float = 0.7, momentum: float = 0.9,
+              initial: Sequence[np.ndarray] | str = "random", clock=None, fingerprint: str = FP,
+              **settings) -> SyncerCore:
+  """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
+  "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
+  staleness_beta, num_learners (default 8), ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
+  policy_fields = {f: settings.pop(f) for f in ("gamma", "tau", "min_grace_s") if f in settings}
+  settings.setdefault("num_learners", 8)
+  s = SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec, downlink_codec=downlink,
+                     block=block, outer_lr=lr, outer_momentum=momentum, fingerprint=fingerprint,
+                     policy=QuorumPolicy(min_quorum=k, max_grace_s=max_grace_s, **policy_fields), **settings)
+  if isinstance(initial, str):
+    rng = np.random.default_rng(0)
+    make = {"random": lambda n: rng.standard_normal(n).astype(np.float32),
+            "arange": lambda n: np.arange(n, dtype=np.float32) / 8,
+            "linspace": lambda n: np.linspace(-1, 1, n, dtype=np.float32)}[initial]
+    initial = [make(n) for n in sizes]
+  kwargs = {} if clock is None else {"clock": clock}
+  return SyncerCore(s, list(initial), **kwargs)
+
+
+def make_push(learner: int, delta, *, core: SyncerCore | None = None, fragment: int = 0, base_version: int = 0,
+              steps: int = 10, tokens: int = 100, codec: str | None = None, block: int | None = None,
+              **overrides) -> Push:
+  """A push of `delta`, encoded with `codec` and `block` (default: the core's, else fp32 and 64) for the
+  core's run (else `FP`); `overrides` replace any field of the Push (a wrong checksum, another
+  fingerprint...)."""
+  codec = codec or (core.settings.codec if core else "fp32")
+  block = block or (core.settings.block if core else 64)
+  payload = codec_lib.encode(np.asarray(delta, np.float32), codec, block)
+  fields = dict(learner_id=learner, fingerprint=core.settings.fingerprint if core else FP, fragment=fragment,
+                base_version=base_version, steps=steps, tokens=tokens, codec=codec, payload=payload,
+                checksum=codec_lib.checksum(payload))
+  fields.update(overrides)
+  return Push(**fields)
+
+
+def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
+  """Polls `predicate` until it returns something true (returned), or fails the test after `timeout`."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(poll)
+  pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+free_port = launch_local.free_port
+
+
+# ---- real processes --------------------------------------------------------------------------------------
+
+PROCESS_TIMEOUT_S = 240.0  # a loaded 2-core machine starts jax slowly
+PROCESS_TOKEN = "process-test-token-0123456789abcdef"
+
+
+def tiny_overrides(steps: int = 20, **extra) -> list[str]:
+  """`--config` arguments of a tiny multi-process run (a 32-wide model, 2 learners of 1 device)."""
+  fields = {
+      "learners.num": 2, "learners.devices": 1, "train.steps": steps, "train.warmup_steps": 2,
+      "train.log_every": 2, "train.eval_every": 10_000, "train.checkpoint_every": 5,
+      "outer.sync_every": 5, "outer.lease_s": 3.0, "outer.min_quorum": 1, "outer.max_grace_s": 0.2,
+      "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8, "data.max_bytes": 60_000,
+      "data.eval_batches": 1, "syncer.checkpoint_every_rounds": 2, "comms.max_backoff_s": 0.5,
+      "comms.unreachable_deadline_s": 120.0,
+  }
+  fields.update(extra)
+  return ["--config", "configs/tiny_cpu.py"] + [f"--config.{k}={v}" for k, v in fields.items()]
+
+
+class ProcessRun:
+  """The child processes of one test (a syncer, learners), each logging to tmp/logs/<name>.log.
+  Call `kill_all` in a finally block."""
+
+  def __init__(self, tmp: pathlib.Path, config_argv: list[str]):
+    self.tmp, self.config_argv = tmp, config_argv
+    (tmp / "logs").mkdir(exist_ok=True)
+    self.token_file = tmp / "token"
+    self.token_file.write_text(PROCESS_TOKEN + "\n")
+    self.token_file.chmod(0o600)
+    self.procs: dict[str, subprocess.Popen] = {}
+    self.port = None
+
+  def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
+    log = open(self.tmp / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", *argv], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=launch_local.child_env(devices))
+    log.close()
+    self.procs[name] = proc
+    return proc
+
+  def syncer(self, bind: str = "127.0.0.1:0") -> subprocess.Popen:
+    port_file = self.tmp / "syncer" / "syncer.port"
+    port_file.unlink(missing_ok=True)
+    proc = self.spawn("syncer", ["syncer", *self.config_argv, "--workdir", str(self.tmp / "syncer"),
+                                 "--bind", bind, "--token-file", str(self.token_file)])
+    wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit() or proc.poll() is not None,
+             "syncer port file", PROCESS_TIMEOUT_S)
+    assert proc.poll() is None, self.log("syncer")
+    self.port = int(port_file.read_text())
+    return proc
+
+  def learner(self, i: int, devices: int = 1, extra: Sequence[str] = (), name: str | None = None
+              ) -> subprocess.Popen:
+    return self.spawn(name or f"learner_{i}",
+                      ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                       "--workdir", str(self.tmp / f"learner_{i}"), "--token-file", str(self.token_file), *extra],
+                      devices=devices)
+
+  def group_learner(self, i: int, hosts: int, devices_per_host: int = 1) -> list[subprocess.Popen]:
+    """Learner i as `hosts` processes joined by jax.distributed on loopback, named learner_<i>_p<p>."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [self.learner(i, devices_per_host, ["--coordinator", coordinator, "--num-processes", str(hosts),
+                                               "--process-id", str(p)], name=f"learner_{i}_p{p}")
+            for p in range(hosts)]
+
+  def evaluator(self) -> subprocess.Popen:
+    """The global model's evaluator process, in tmp/global."""
+    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+                                    "--workdir", str(self.tmp / "global"), "--token-file", str(self.token_file),
+                                    "--poll-s", "0.2"])
+
+  def status(self) -> dict:
+    with GrpcTransport(f"127.0.0.1:{self.port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:
+      return t.status()
+
+  def log(self, name: str) -> str:
+    return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")[-4000:]
+
+  def summary(self, i: int) -> dict:
+    return json.loads((self.tmp / f"learner_{i}" / "summary.json").read_text())
+
+  def step(self, i: int) -> int:
+    return launch_local.learner_progress(self.tmp / f"learner_{i}")["step"]
+
+  def wait_ok(self, name: str, timeout: float = PROCESS_TIMEOUT_S) -> None:
+    try:
+      rc = self.procs[name].wait(timeout)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"{name} still running after {timeout}s:\n{self.log(name)}")
+    assert rc == 0, f"{name} exited {rc}:\n{self.log(name)}"
+
+  def kill_all(self) -> None:
+    for proc in self.procs.values():
+      if proc.poll() is None:
+        proc.kill()
+      proc.wait()
+
+
+# ---- tokenized data --------------------------------------------------------------------------------------
+
+TOKEN_VOCAB = 1000  # small enough to train in a few seconds, large enough for real merges
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """A small tokenized corpus made by the real commands' functions: `corpus/` (stdlib sources), a
+  SentencePiece model and ArrayRecord shards (small records, so windows span records)."""
+
+  corpus: pathlib.Path
+  tokenizer: pathlib.Path
+  shards: pathlib.Path
+  meta: dict
+
+  def overrides(self) -> dict:
+    """Config fields that read this corpus."""
+    return {"data.format": "array_record", "data.tokenizer": str(self.tokenizer),
+            "data.train_files": f"{self.shards}/train-*.array_record",
+            "data.eval_files": f"{self.shards}/eval-*.array_record", "model.vocab_size": TOKEN_VOCAB}
+
+  def apply(self, config):
+    """`config` reading this corpus (changed in place and returned)."""
+    for field, value in self.overrides().items():
+      section, name = field.split(".")
+      config[section][name] = value
+    return config
+
+
+def make_token_data(root: pathlib.Path, max_bytes: int = 300_000, num_shards: int = 4,
+                    chunk_tokens: int = 100) -> TokenData:
+  """Writes the first `max_bytes` of the standard library's top-level modules to `root/corpus` (one file
+  each), trains a tokenizer on them and tokenizes them into `num_shards` train shards."""
+  corpus = root / "corpus"
+  corpus.mkdir(parents=True)
+  stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  total = 0
+  for path in sorted(stdlib.glob("*.py")):
+    text = path.read_bytes()
+    if total + len(text) > max_bytes:
+      continue
+    (corpus / path.name).write_bytes(text)
+    total += len(text)
+  model = tokenizer.train_sentencepiece((t for _, t in tokenizer.read_documents(str(corpus))), TOKEN_VOCAB)
+  tok_path = root / "tok.model"
+  tok_path.write_bytes(model)
+  meta = shards.write_shards(tokenizer.load(str(tok_path)), str(corpus), str(root / "tokens"),
+                             num_shards=num_shards, chunk_tokens=chunk_tokens)
+  return TokenData(corpus=corpus, tokenizer=tok_path, shards=root / "tokens", meta=meta)
