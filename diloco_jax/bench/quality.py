@@ -158,7 +158,7 @@ def main(argv) -> int:
   results = {}
   for b in budgets:
     config.train.steps = b * base_steps
-    results[b] = run_pair(config, root / f"x{b}" if len(budgets) > 1 else root)
+    results[b] = run_pair(config, root / f"x{b}" if len(budgets) > 1 else root, quiet=fv.json)
     if not fv.json:
       if len(budgets) > 1:
         print(f"\nbudget {b}x ({b * base_steps} steps):")
