@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax import config as config_lib
 from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import trainer as trainer_lib
@@ -136,7 +137,7 @@ class Learner:
     self.trainer = trainer_lib.MeshTrainer(
         config, devices, workdir, batch_size=config.data.global_batch // num_learners,
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
-        checkpoint_dir=checkpoint_dir)
+        checkpoint_dir=checkpoint_dir, train_cfg=config_lib.learner_train(config))
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
                                         outer.fragment_plan)
