@@ -93,6 +93,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.max_grace_s = 5.0
   c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+  # A learner whose inner-step counter has not moved for this long (plus one of its steps), unless it
+  # waits on the syncer, stops counting toward quorums until it moves again. 0 = outer.max_grace_s (at
+  # least 0.5 s): a stopped learner is waited for no longer than a straggler. Heartbeats go out every
+  # third of it (at most every second, at least four per lease).
+  c.outer.stall_s = 0.0
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
@@ -102,6 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
+  c.comms.cutoff_file = ""  # chaos testing: the link is down while this file exists ({learner}: the id)
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -183,6 +189,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
+    if o.stall_s < 0:
+      _fail("outer.stall_s", f"must be >= 0 (0 = outer.max_grace_s), got {o.stall_s}")
+    if o.lease_s <= 0:
+      _fail("outer.lease_s", f"must be > 0, got {o.lease_s}")
     if o.max_in_flight < 1:
       _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
     if o.codec_block < 1:
@@ -204,6 +214,19 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     if per_mesh_batch % batch_ways:
       _fail("data.global_batch", f"per-mesh batch {per_mesh_batch} does not divide over the "
             f"data*fsdp axes ({batch_ways} ways)")
+
+
+def stall_bound_s(config) -> float:
+  """`outer.stall_s`, or with 0 (the default) the grace window's cap `outer.max_grace_s` (at least 0.5 s):
+  a stopped learner is waited for no longer than a straggler would be."""
+  o = config.outer
+  return float(o.stall_s) if o.stall_s > 0 else max(float(o.max_grace_s), 0.5)
+
+
+def heartbeat_interval_s(config) -> float:
+  """How often a learner heartbeats: a third of the stall bound (so that a learner making progress is
+  never taken for a stopped one), at most every second and at least four times per lease."""
+  return max(min(1.0, float(config.outer.lease_s) / 4, stall_bound_s(config) / 3), 0.02)
 
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.

@@ -86,8 +86,8 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s):
-    pass
+  def heartbeat(self, learner_id, step_time_s, step=-1, blocked=False):
+    return 0
 
   def push(self, push):
     if codec_lib.checksum(push.payload) != push.checksum:

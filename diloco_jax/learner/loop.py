@@ -15,12 +15,28 @@ adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for
 
 The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
 only ever holds the fragments in flight.
+
+Syncer restarts (docs/operations.md, "Recovery"). When the comms see another syncer epoch, the learner
+recovers at the next step boundary (`_recover`): it rejoins, learns the lifetimes the restored global
+model went through, and for each fragment
+  * adopts the restored global fragment (keeping its steps since the snapshot) if its push in flight is
+    in the restored model (merged before the checkpoint the syncer restored);
+  * else takes back that push's steps and tokens, to push them again, and
+      - keeps its base if the restored model's history still holds it (renamed in the new numbering): its
+        next outer gradient carries all its work since that base;
+      - rebases onto the restored global fragment otherwise (its base came from merges the crash lost):
+        base_p <- Theta_p with theta_p unchanged, so its next outer gradient Theta_p - theta_p carries its
+        own unmerged work and the lost merges it had adopted, whose steps and tokens it takes back too.
+Nothing waits on an event that may never come: a sync in flight gives up on a merged fragment from a dead
+syncer as soon as another epoch shows up.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import logging
 import math
 import time
 from typing import Sequence
@@ -29,10 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax import config as config_lib
 from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import protocol
 from diloco_jax import trainer as trainer_lib
 from diloco_jax.learner.comms import Comms, SyncResult
+
+log = logging.getLogger(__name__)
+
+RECEIPT_LOG = 64  # accepted pushes remembered per fragment (their work is pushed again if a crash lost it)
 
 
 @dataclasses.dataclass
@@ -41,6 +63,18 @@ class InFlight:
   snapshot_step: int
   snapshot: jax.Array  # the outer gradient pushed (on the device): locates theta at the snapshot
   future: object  # concurrent.futures.Future[SyncResult]
+  steps: int = 0  # the inner steps and tokens the push carries
+  tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Merged:
+  """An accepted push whose merged fragment the learner adopted."""
+
+  epoch: int
+  round: int
+  steps: int
+  tokens: int
 
 
 @dataclasses.dataclass
@@ -50,14 +84,18 @@ class LearnerStats:
   late_merges: int = 0
   blocked_s: float = 0.0
   compute_s: float = 0.0  # wall time of the inner loop outside blocked waits
+  recoveries: int = 0  # syncer restarts recovered from
+  steps_taken_back: int = 0  # steps (summed over fragments) pushed again after a restart lost them
+  rebased: int = 0  # fragments rebased onto a restored global
 
 
 def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings, state_shardings):
-  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p.
+  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta, "rebase": rebase}) for fragment p.
 
   `adopt(state, base, global_vec, alpha)` takes the new global fragment; `adopt_delta` takes the syncer's
   delta and rebuilds the global fragment as base + delta, one float32 add per element: the same IEEE
   operation as the syncer's numpy reference update, so the base stays bitwise equal to its reference.
+  `rebase(base, global_vec)` replaces the base alone (a syncer restart, see the module docstring).
   """
   paths, shapes = plan.paths[p], plan.shapes[p]
   sizes = [math.prod(s) for s in shapes]
@@ -92,12 +130,18 @@ def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_sharding
     new_global = {k: b[k].astype(jnp.float32) + d for k, d in pieces(delta_vec).items()}
     return mix(state, base, new_global, snapshot_vec, alpha, keep_progress)
 
+  def rebase(base, global_vec):
+    return fragments_lib.replace_leaves(base, pieces(global_vec))
+
   grad_fn = jax.jit(outer_gradient, in_shardings=(param_shardings, param_shardings), out_shardings=replicated)
   adopt_fns = {
       kind: jax.jit(fn, in_shardings=(state_shardings, param_shardings, replicated, replicated, None, None),
                     out_shardings=(state_shardings, param_shardings), donate_argnums=(0, 1))
       for kind, fn in (("full", adopt), ("delta", adopt_delta))
   }
+  # Lazily compiled: only a syncer restart needs it.
+  adopt_fns["rebase"] = jax.jit(rebase, in_shardings=(param_shardings, replicated), out_shardings=param_shardings,
+                                donate_argnums=(0,))
   return grad_fn, adopt_fns
 
 
@@ -123,13 +167,15 @@ class Learner:
     self.comms = Comms(transport, learner_id, fingerprint, codec=outer.codec,
                        downlink_codec=outer.downlink_codec, block=outer.codec_block,
                        sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-                       max_in_flight=outer.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
+                       max_in_flight=outer.max_in_flight, heartbeat_s=config_lib.heartbeat_interval_s(config))
     self.base_version = [0] * self.plan.num_fragments
     # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
     self.base_epoch = [0] * self.plan.num_fragments
     self.steps_since = [0] * self.plan.num_fragments
     self.tokens_since = [0] * self.plan.num_fragments
     self.in_flight: collections.deque[InFlight] = collections.deque()
+    self._merged = [collections.deque(maxlen=RECEIPT_LOG) for _ in range(self.plan.num_fragments)]
+    self._blocked_depth = 0
     self.stats = LearnerStats()
     self.log = metrics_log
     self._tau = outer.tau
@@ -144,6 +190,9 @@ class Learner:
     """Joins the syncer; a learner that resumes or rejoins a run in progress adopts every current global
     fragment first, so its next pushes are outer gradients against the global model."""
     versions = self.comms.join()
+    self.comms.set_epoch(versions.epoch)
+    # The seed's fragments (version 0), named in this syncer's numbering.
+    self.base_epoch = [versions.epoch] * self.plan.num_fragments
     if self.restored or any(v > 0 for v in versions.values()):
       for p in range(self.plan.num_fragments):
         # have_version -1: whatever base this process holds (restored, or the seed's) may not be the
@@ -178,39 +227,171 @@ class Learner:
     self.stats.adopted += 1
     self.stats.late_merges += int(result.late)
 
+  def _adopt_result(self, item: InFlight, result: SyncResult) -> None:
+    """Adopt the merged fragment of a sync in flight, remembering its receipt (a later restart may lose
+    that merge; its work is then pushed again)."""
+    self._adopt(result, item.snapshot)
+    if result.receipt is not None:
+      r = result.receipt
+      self._merged[item.fragment].append(_Merged(r.epoch, r.round, item.steps, item.tokens))
+
+  @contextlib.contextmanager
+  def _blocked(self):
+    """The inner loop waits on the syncer: counted as blocked time, and heartbeats say so (a learner
+    blocked on a round is not a stopped one)."""
+    self._blocked_depth += 1
+    self.comms.set_blocked(True)
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._blocked_depth -= 1
+      if self._blocked_depth == 0:
+        self.stats.blocked_s += time.perf_counter() - t0
+        self.comms.set_blocked(False)
+
   def _wait(self, item: InFlight) -> None:
+    """Wait for a sync in flight and adopt its result (or recover, if the syncer restarted meanwhile).
+    The wait is bounded by the comms: a merged fragment, an abandoned sync (another epoch), or an error
+    (the syncer unreachable past `comms.unreachable_deadline_s`)."""
+    if item not in self.in_flight:
+      return  # a recovery already settled it
     if not item.future.done():
       # Steps already dispatched are compute, not waiting: let the device finish them before the clock
       # starts (the comms thread's host copy of the snapshot waits for them too).
       jax.block_until_ready(self.trainer.state.params)
-    t0 = time.perf_counter()
-    result = item.future.result()
-    self.stats.blocked_s += time.perf_counter() - t0
+    with self._blocked():
+      result = item.future.result()
+      if result.abandoned:
+        self._recover()
+        return
     self.in_flight.remove(item)
-    self._adopt(result, item.snapshot)
+    self._adopt_result(item, result)
 
   def _adopt_ready(self, step: int) -> None:
     for item in list(self.in_flight):
-      if item.future.done() and step >= item.snapshot_step + self._tau:
+      if item not in self.in_flight or not item.future.done():
+        continue
+      result = item.future.result()
+      if result.abandoned:
+        self._recover()
+        return
+      if step >= item.snapshot_step + self._tau:
         self.in_flight.remove(item)
-        self._adopt(item.future.result(), item.snapshot)
+        self._adopt_result(item, result)
 
   def _snapshot(self, p: int, step: int) -> None:
-    for item in list(self.in_flight):
-      if item.fragment == p:  # due again before its last sync came back
-        self._wait(item)
-    while len(self.in_flight) >= self.config.outer.max_in_flight:
-      self._wait(self.in_flight[0])
+    while True:
+      same = [item for item in self.in_flight if item.fragment == p]
+      if same:  # due again before its last sync came back
+        self._wait(same[0])
+      elif len(self.in_flight) >= self.config.outer.max_in_flight:
+        self._wait(self.in_flight[0])
+      else:
+        break
     grad_fn, _ = self._fns[p]
     delta = grad_fn(self.base, self.trainer.state.params)
     delta.copy_to_host_async()
     future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
                              base_epoch=self.base_epoch[p])
-    self.in_flight.append(InFlight(p, step, delta, future))
+    self.in_flight.append(InFlight(p, step, delta, future, self.steps_since[p], self.tokens_since[p]))
     self.steps_since[p] = self.tokens_since[p] = 0
     self.stats.syncs += 1
     if self._tau == 0:
       self._wait(self.in_flight[-1])
+
+  # -- syncer restarts -----------------------------------------------------------------------------
+
+  def _recover(self) -> None:
+    """The syncer restarted: settle every sync in flight and every base against the restored model (module
+    docstring, "Syncer restarts"). Blocks the inner loop (counted); the network calls are bounded like
+    every other (a syncer unreachable past `comms.unreachable_deadline_s` fails the learner)."""
+    with self._blocked():
+      items = list(self.in_flight)
+      # Every sync in flight ends promptly once the comms saw the new epoch (abandoned, or merged before).
+      results = [item.future.result() for item in items]
+      while True:
+        versions = self.comms.join()
+        if self._settle(versions, items, results):
+          break
+        log.warning("learner %d: the syncer restarted again during recovery; recovering again", self.learner_id)
+      self.in_flight.clear()
+
+  def _settle(self, versions, items: list[InFlight], results: list[SyncResult]) -> bool:
+    """Decide and apply the recovery against `versions` (a join's answer); False (nothing changed) if an
+    answer meanwhile came from yet another epoch."""
+    epoch, history = versions.epoch, versions.history
+    n = self.plan.num_fragments
+    in_flight = {item.fragment: (item, result) for item, result in zip(items, results)}
+    plan, fetch = {}, []
+    for p in range(n):
+      entry = in_flight.get(p)
+      if entry is not None:
+        item, result = entry
+        if not result.abandoned and result.epoch == epoch:
+          plan[p] = ("result", item, result)  # merged by the current syncer itself
+          continue
+        receipt = result.receipt
+        if receipt is not None and protocol.merged_for_good(history, receipt.epoch, receipt.round, p):
+          plan[p] = ("adopt", item, None)  # the restored model holds this push: adopt it
+          fetch.append(p)
+          continue
+      renamed = protocol.current_version(history, self.base_epoch[p], self.base_version[p], p)
+      if renamed is None and self.base_epoch[p] == 0 and self.base_version[p] == 0 and history:
+        renamed = history[-1].version_offsets[p]  # the seed: the same in every lifetime
+      if renamed is not None:
+        plan[p] = ("keep", entry[0] if entry else None, renamed)
+      else:
+        plan[p] = ("rebase", entry[0] if entry else None, None)
+        fetch.append(p)
+    fetched = {}
+    for p in fetch:
+      published, vec = self.comms.fetch(p, 0, have_version=-1)
+      if published.epoch != epoch:
+        return False
+      fetched[p] = (published, vec)
+    taken_back = 0
+    for p in range(n):
+      kind, item, extra = plan[p]
+      if kind == "result":
+        self._adopt_result(item, extra)
+        continue
+      if kind == "adopt":
+        published, vec = fetched[p]
+        self._adopt(SyncResult(p, published.version, vec, late=False, epoch=published.epoch), item.snapshot)
+        self._merged[p].clear()
+        continue
+      steps = tokens = 0
+      if item is not None:  # its push is not in the restored model: push that work again
+        steps, tokens = item.steps, item.tokens
+      if kind == "keep":
+        self.base_version[p], self.base_epoch[p] = extra, epoch
+      else:
+        # Adopted merges the crash lost are in theta but not in the restored global: rebasing makes the
+        # next outer gradient carry them, so their steps and tokens count again.
+        for m in self._merged[p]:
+          if not protocol.merged_for_good(history, m.epoch, m.round, p):
+            steps, tokens = steps + m.steps, tokens + m.tokens
+        published, vec = fetched[p]
+        _, adopt_fns = self._fns[p]
+        self.base = adopt_fns["rebase"](self.base, jax.device_put(vec, self._replicated))
+        self.base_version[p], self.base_epoch[p] = published.version, published.epoch
+        self.stats.rebased += 1
+      self._merged[p].clear()
+      self.steps_since[p] += steps
+      self.tokens_since[p] += tokens
+      taken_back += steps
+    self.comms.set_epoch(epoch)
+    self.stats.recoveries += 1
+    self.stats.steps_taken_back += taken_back
+    log.warning("learner %d: syncer restarted (epoch %d); %s; %d steps to push again", self.learner_id, epoch,
+                ", ".join(f"fragment {p}: {plan[p][0]} v{self.base_version[p]}" for p in range(n)), taken_back)
+    return True
+
+  def check_syncer(self) -> None:
+    """Recover now if the comms saw the syncer restart (called at every step boundary)."""
+    if self.comms.epoch_changed():
+      self._recover()
 
   def after_step(self, tokens: int) -> None:
     """The outer loop's work at a step boundary (after the inner step that just ran)."""
@@ -218,6 +399,7 @@ class Learner:
     for p in range(self.plan.num_fragments):
       self.steps_since[p] += 1
       self.tokens_since[p] += tokens
+    self.check_syncer()
     self._adopt_ready(step)
     for p in fragments_lib.due_fragments(self.plan, step):
       self._snapshot(p, step)
@@ -230,16 +412,21 @@ class Learner:
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    self.comms.report_step_time(elapsed)
+    self.comms.report_step_time(elapsed, self.trainer.step)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
-    then wait for and adopt every result."""
-    step = self.trainer.step
-    for p in range(self.plan.num_fragments):
-      if self.steps_since[p] > 0:
-        self._snapshot(p, step)
-    while self.in_flight:
+    then wait for and adopt every result. A syncer restart meanwhile sends the lost work again."""
+    while True:
+      self.check_syncer()
+      step = self.trainer.step
+      for p in range(self.plan.num_fragments):
+        if self.steps_since[p] > 0 and not any(item.fragment == p for item in self.in_flight):
+          self._snapshot(p, step)
+      if not self.in_flight:
+        if not any(self.steps_since):
+          return
+        continue
       self._wait(self.in_flight[0])
 
   def close(self, leave: bool = True) -> None:
@@ -269,6 +456,8 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
       "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
       "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
       "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
+      "recoveries": learner.stats.recoveries, "steps_taken_back": learner.stats.steps_taken_back,
+      "rebased": learner.stats.rebased,
       "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
       "local_eval_loss": eval_loss,
   }

@@ -148,7 +148,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._admit(request.learner_id)
     versions = self.core.join(request.learner_id, request.fingerprint)
     self._count("joins")
-    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()})
+    history = [pb.Lifetime(epoch=h.epoch, start_rounds=h.start_rounds, version_offsets=h.version_offsets)
+               for h in getattr(versions, "history", ())]
+    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()},
+                           epoch=getattr(versions, "epoch", 0), history=history)
 
   @_rpc
   def Leave(self, request, context):
@@ -164,8 +167,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     step_time = float(request.step_time_s)
     if not (step_time >= 0 and step_time < float("inf")):  # also refuses NaN
       raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"step_time_s must be finite and >= 0, got {step_time}")
-    self.core.heartbeat(request.learner_id, step_time)
-    return pb.HeartbeatResponse()
+    step = int(request.step) if request.HasField("step") else -1
+    epoch = self.core.heartbeat(request.learner_id, step_time, max(step, -1), bool(request.blocked))
+    return pb.HeartbeatResponse(epoch=int(epoch or 0))
 
   @_rpc
   def Status(self, request, context):
@@ -193,11 +197,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       payload.add(msg.offset, msg.data)
     push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
                 base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec,
-                payload=payload.finish(), checksum=h.checksum)
+                payload=payload.finish(), checksum=h.checksum, base_epoch=h.base_epoch)
     receipt = self.core.push(push)
     self._count("pushes")
     self._count("push_bytes", total)
-    return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late)
+    return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
+                           epoch=receipt.epoch)
 
   @_rpc
   def Pull(self, request, context):
@@ -223,7 +228,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       published = self.core.pull(request.fragment, request.min_version, min(left, 1.0), have_version,
                                  have_epoch)
     if published is None:
-      return iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment))])
+      return iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment,
+                                                     epoch=getattr(self.core, "epoch", 0)))])
     self._count("pulls")
     self._count("pull_bytes", len(published.payload))
     return self._pull_chunks(published)

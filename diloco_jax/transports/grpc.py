@@ -13,7 +13,8 @@ does not know which one it holds. Calls block; the worker calls them, never the 
   HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed call
   headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers. Retried
   attempts count again: they crossed the wire again.
-* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in.
+* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in, and, with a cut-off
+  file, drops calls while the link is down (retried as if the syncer were unreachable).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
-from diloco_jax.protocol import Reassembler, Rejected, chunks
+from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, EpochRecord, ProtocolError, Published, Push
+from diloco_jax.protocol import PushReceipt, Reassembler, Rejected, Versions, chunks
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.transports import wan as wan_lib
@@ -121,8 +122,9 @@ class GrpcTransport:
     (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
     c = config.comms
     wan = None
-    if c.wan_gbps > 0 or c.wan_latency_ms > 0:
-      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms))
+    cutoff = str(c.cutoff_file).replace("{learner}", str(learner_id))
+    if c.wan_gbps > 0 or c.wan_latency_ms > 0 or cutoff:
+      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms), cutoff_file=cutoff)
     return cls(target, token, learner_id, wan=wan, chunk_bytes=int(c.chunk_kb) * 1024,
                max_message_bytes=int(config.syncer.max_message_mb) << 20,
                unreachable_deadline_s=float(c.unreachable_deadline_s), backoff_s=float(c.backoff_s),
@@ -156,6 +158,11 @@ class GrpcTransport:
       self.wan.receive(n, first=first)
     return msg
 
+  def _arrived(self) -> None:
+    # An idempotent answer is lost if the emulated link went down while it travelled (retried).
+    if self.wan is not None:
+      self.wan.check_link()
+
   # --- retries and error translation ----------------------------------------------------------------------
 
   def _call(self, name: str, attempt: Callable[[float], object]):
@@ -164,9 +171,13 @@ class GrpcTransport:
     delay = self.backoff_s
     while True:
       try:
+        if self.wan is not None:
+          self.wan.check_link()
         return attempt(self.call_timeout_s)
-      except grpc.RpcError as e:
+      except (grpc.RpcError, wan_lib.LinkDown) as e:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        if isinstance(e, wan_lib.LinkDown):
+          code = grpc.StatusCode.UNAVAILABLE
         if code != grpc.StatusCode.UNAVAILABLE:
           raise self._translate(name, e) from None
         waited = time.monotonic() - start
@@ -201,8 +212,12 @@ class GrpcTransport:
 
     def attempt(timeout):
       self._out(request, True)
-      response = self._stub.Join(request, timeout=timeout, metadata=self._metadata)
-      return {int(k): int(v) for k, v in self._in(response, True).versions.items()}
+      response = self._in(self._stub.Join(request, timeout=timeout, metadata=self._metadata), True)
+      self._arrived()
+      history = tuple(EpochRecord(int(h.epoch), tuple(int(x) for x in h.start_rounds),
+                                  tuple(int(x) for x in h.version_offsets)) for h in response.history)
+      return Versions({int(k): int(v) for k, v in response.versions.items()}, epoch=int(response.epoch),
+                      history=history)
 
     return self._call("join", attempt)
 
@@ -217,16 +232,21 @@ class GrpcTransport:
 
     self._call("leave", attempt)
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the lease, reporting the recent inner-step time."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int = -1, blocked: bool = False) -> int:
+    """Renew the lease, reporting the recent inner-step time, the step counter (-1: unknown) and whether
+    the learner waits on the syncer; returns the syncer's epoch."""
     request = pb.HeartbeatRequest(learner_id=learner_id, fingerprint=self.fingerprint or "",
-                                  step_time_s=float(step_time_s))
+                                  step_time_s=float(step_time_s), blocked=bool(blocked))
+    if step >= 0:
+      request.step = int(step)
 
     def attempt(timeout):
       self._out(request, True)
-      self._in(self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata), True)
+      epoch = int(self._in(self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata), True).epoch)
+      self._arrived()
+      return epoch
 
-    self._call("heartbeat", attempt)
+    return self._call("heartbeat", attempt)
 
   def status(self) -> dict:
     """The syncer's status (members, versions, counters; `server`: the service's own counters)."""
@@ -243,13 +263,15 @@ class GrpcTransport:
     """Send one outer gradient in chunks; returns the syncer's receipt."""
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
-                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
+                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload),
+                           base_epoch=push.base_epoch)
 
     def attempt(timeout):
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
                                  metadata=self._metadata)
       response = self._in(response, True)
-      return PushReceipt(fragment=response.fragment, round=response.round, late=response.late)
+      return PushReceipt(fragment=response.fragment, round=response.round, late=response.late,
+                         epoch=int(response.epoch))
 
     return self._call("push", attempt)
 
@@ -279,6 +301,7 @@ class GrpcTransport:
       if not h.found:
         for _ in stream:  # drain: nothing should follow
           pass
+        self._arrived()
         return None
       if h.kind not in ("", "full", "delta"):
         raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
@@ -289,6 +312,7 @@ class GrpcTransport:
         data = payload.finish()
       except ProtocolError as e:
         raise SyncerError(grpc.StatusCode.DATA_LOSS, f"pull: {e}") from None
+      self._arrived()
       if h.kind == "delta":
         return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data,
                          checksum=h.checksum, kind="delta", base_version=h.base_version, epoch=h.epoch)
