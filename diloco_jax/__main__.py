@@ -6,6 +6,7 @@ Commands:
   syncer    The gRPC syncer service.
   learner   One learner process talking to a gRPC syncer.
   local     A syncer and N learner processes on this machine.
+  chaos     The same under a seeded fault schedule (kills, stops, cut-offs, syncer restarts), with a report.
   sim       Scale simulator and bandwidth planner (goodput, bandwidth).
   bench     Benchmarks that print figures (step, quality, overhead, transport, wan).
 
@@ -22,6 +23,7 @@ COMMANDS = {
     "syncer": "diloco_jax.syncer.app",
     "learner": "diloco_jax.learner.process",
     "local": "diloco_jax.launch_local",
+    "chaos": "diloco_jax.chaos",
     "sim": "diloco_jax.sim.cli",
     "bench": "diloco_jax.bench.cli",
 }

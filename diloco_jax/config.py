@@ -103,7 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
   c.comms.unreachable_deadline_s = 300.0  # keep retrying an unreachable syncer this long, then fail
   c.comms.backoff_s = 0.1  # first retry delay; doubles up to max_backoff_s
-  c.comms.max_backoff_s = 5.0
+  c.comms.max_backoff_s = 2.0  # bounds how long after a syncer restart a learner reaches it
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)

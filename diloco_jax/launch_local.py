@@ -218,12 +218,14 @@ class Launcher:
     del frame
     self.signals.append(signum)
 
-  def start_syncer(self) -> None:
+  def start_syncer(self, port: int = 0) -> None:
+    """Start the syncer on `port` (0: any free port; a restart passes the port it had) and wait until it
+    serves."""
     sdir = self.workdir / "syncer"
     sdir.mkdir(parents=True, exist_ok=True)
     port_file = sdir / "syncer.port"
     port_file.unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
-    self.syncer = Child("syncer", self._command("syncer", "--workdir", str(sdir), "--bind", "127.0.0.1:0",
+    self.syncer = Child("syncer", self._command("syncer", "--workdir", str(sdir), "--bind", f"127.0.0.1:{port}",
                                                 "--token-file", str(self.workdir / "token")),
                         child_env(1), self.workdir / "logs" / "syncer.log")
     deadline = time.monotonic() + self.start_timeout_s
@@ -239,15 +241,17 @@ class Launcher:
                            f"{self.syncer.log_path}")
       time.sleep(0.2)
 
+  def start_learner(self, i: int) -> Child:
+    """Start (or restart: same id, same workdir, so it resumes from its checkpoint) learner `i`."""
+    ldir = self.workdir / f"learner_{i}"
+    return Child(f"learner {i}",
+                 self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                               "--workdir", str(ldir), "--token-file", str(self.workdir / "token")),
+                 child_env(self.config.learners.devices), self.workdir / "logs" / f"learner_{i}.log")
+
   def start_learners(self) -> None:
-    k = self.config.learners.devices
     for i in range(self.config.learners.num):
-      ldir = self.workdir / f"learner_{i}"
-      self.learners.append(Child(
-          f"learner {i}",
-          self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
-                        "--workdir", str(ldir), "--token-file", str(self.workdir / "token")),
-          child_env(k), self.workdir / "logs" / f"learner_{i}.log"))
+      self.learners.append(self.start_learner(i))
 
   def watch(self, quiet: bool = False) -> None:
     """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""

@@ -105,7 +105,12 @@ class GrpcTransport:
     self._received = 0
     self.retries = 0
     options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+               ("grpc.max_send_message_length", max_message_bytes),
+               # The channel's own reconnect backoff (default: up to 120 s) must not outlast ours: a
+               # restarted syncer is reached within max_backoff_s of serving again.
+               ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+               ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+               ("grpc.max_reconnect_backoff_ms", max(1, int(max_backoff_s * 1000)))]
     if tls_ca or tls_cert:
       read = lambda p: pathlib.Path(p).read_bytes() if p else None
       creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
