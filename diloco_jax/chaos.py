@@ -76,6 +76,43 @@ def learner_versions(learner_dir: str | pathlib.Path) -> list[list[int]]:
   return [r["versions"] for r in read_jsonl(pathlib.Path(learner_dir) / "metrics.jsonl") if "versions" in r]
 
 
+def merged_tokens(syncer_dir: str | pathlib.Path, num_fragments: int) -> list[tuple[float, float]]:
+  """(wall time, tokens merged into the global model) at each version change (per-fragment sums / P)."""
+  return [(float(r["t"]), r.get("tokens_merged", 0) / num_fragments)
+          for r in read_jsonl(pathlib.Path(syncer_dir) / "versions.jsonl")]
+
+
+def value_at(series: Sequence[tuple[float, float]], t: float) -> float:
+  """The value of a step function given as (time, value) changes, at time `t` (0 before the first)."""
+  value = 0.0
+  for ts, v in series:
+    if ts > t:
+      break
+    value = v
+  return value
+
+
+def step_records(learner_dir: str | pathlib.Path) -> list[tuple[float, int]]:
+  """(wall time, step) of a learner's (or the baseline's) metrics records, over its restarts."""
+  return [(float(r["time"]), int(r["step"])) for r in read_jsonl(pathlib.Path(learner_dir) / "metrics.jsonl")
+          if "time" in r and "step" in r]
+
+
+def first_done(learner_dirs, steps: int) -> float | None:
+  """When the first learner logged its last step (every learner is still training until then)."""
+  done = [min((t for t, s in step_records(d) if s >= steps), default=None) for d in learner_dirs]
+  done = [t for t in done if t is not None]
+  return min(done) if done else None
+
+
+def redone_steps(learner_dir: str | pathlib.Path, log_every: int) -> int:
+  """Steps a learner trained twice: a restart resumes from its last checkpoint, before the last step it
+  logged when it died (known to the logging interval)."""
+  records = step_records(learner_dir)
+  # After a restart from checkpoint step c, the first record is at c + log_every.
+  return sum(a - (b - log_every) for (_, a), (_, b) in zip(records, records[1:]) if b <= a)
+
+
 def advance_times(timeline: Sequence[tuple[float, Sequence[int]]]) -> list[float]:
   """Wall times at which some version advanced."""
   out, previous = [], None
@@ -269,7 +306,7 @@ class _Job:
             failure = f"learner {i} exited with status {rc}"
         if failure:
           break
-        if (all(c.poll() == 0 for c in la.learners) and not pending and not todo):
+        if all(c.poll() == 0 for c in la.learners):  # events still to come never happen
           finished = True
           break
         time.sleep(0.2)
@@ -430,11 +467,24 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
       "t_launch": raw["t_launch"], "t_train": t_train, "t_end": t_end,
   }
   report["contributions"]["lost"] = sum(1 for x in lost if x)
+  # Goodput over the window in which every learner should be training: from the moment all of them
+  # trained to the moment the first finished (the others' tails would count their idle wait otherwise).
+  # Tokens merged twice (a killed learner's steps between its checkpoint and its death, pushed before it
+  # died and trained again after its restart) are not counted.
+  window_end = first_done(dirs, config.train.steps) or t_end
+  tokens_per_step = config.data.global_batch // learners * config.data.seq_len
+  redone = sum(redone_steps(d, config.train.log_every) for d in dirs) * tokens_per_step
+  series = merged_tokens(workdir / "syncer", num_fragments)
+  window = max(window_end - t_train, 1e-9)
+  report.update(window_s=window, tokens_redone=redone,
+                window_tokens_merged=value_at(series, window_end) - value_at(series, t_train) - redone)
+  report["merge_rate"] = report["window_tokens_merged"] / window
   if reference is not None:
-    rate = reference["tokens_processed"] / reference["wall_s"]
+    rate = reference["merge_rate"]
     report["reference"] = {k: reference[k] for k in ("wall_s", "train_s", "tokens_processed", "eval_loss",
-                                                     "longest_stall_s", "step_time_s")}
-    report["goodput"] = merged_tokens / (rate * wall) if rate > 0 and wall > 0 else None
+                                                     "longest_stall_s", "step_time_s", "merge_rate",
+                                                     "window_s")}
+    report["goodput"] = report["merge_rate"] / rate if rate > 0 else None
     report["eval_loss_ratio"] = (eval_loss / reference["eval_loss"]
                                  if eval_loss and reference.get("eval_loss") else None)
     report["excess_stall_s"] = report["longest_stall_s"] - reference["longest_stall_s"]
@@ -481,8 +531,10 @@ def format_report(config, report: dict) -> str:
                f"(tokens short per fragment: {c['lost_tokens_by_fragment']})")
   if "reference" in report:
     ref = report["reference"]
-    lines.append(f"  goodput {100 * report['goodput']:.1f}% ({report['tokens_merged']:,.0f} tokens merged in "
-                 f"{report['wall_s']:.0f} s; undisturbed {ref['tokens_processed']:,} in {ref['wall_s']:.0f} s)")
+    lines.append(f"  goodput {100 * report['goodput']:.1f}%: {report['merge_rate']:,.0f} tokens/s merged into the "
+                 f"global model while every learner trains ({report['window_s']:.0f} s; "
+                 f"{report['tokens_redone']:,} tokens trained twice not counted) vs {ref['merge_rate']:,.0f} "
+                 f"undisturbed")
     if report["eval_loss"] is not None and ref["eval_loss"] is not None:
       lines.append(f"  eval loss {report['eval_loss']:.4f} vs undisturbed {ref['eval_loss']:.4f} "
                    f"({100 * (report['eval_loss_ratio'] - 1):+.2f}%)")

@@ -5,13 +5,14 @@
   overhead   a learner's tokens/s with its outer loop active against the bare inner step
   transport  fragment push/pull throughput over loopback gRPC against a raw socket copy
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
+  chaos      goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator
 
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 """
 
 from diloco_jax import subcommands
 
-BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan")}
+BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan", "chaos")}
 
 
 def main(argv) -> int:

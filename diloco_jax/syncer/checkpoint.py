@@ -159,8 +159,8 @@ class Journal:
 
   A record whose versions moved is fsynced before the rename (a version is durable, also against a host
   crash, before any learner can see it); the others only survive the process (kill -9), not the host.
-  With `timeline`, every change of versions also appends {"t": wall time, "epoch", "versions"} to that
-  JSON-lines file (what `chaos` plots). The core calls it under its lock, in order.
+  With `timeline`, every change of versions also appends {"t": wall time, "epoch", "versions",
+  "tokens_merged"} to that JSON-lines file (what `chaos` measures and plots). The core calls it under its lock, in order.
   """
 
   def __init__(self, path: str | pathlib.Path, timeline: str | pathlib.Path | None = None):
@@ -187,8 +187,8 @@ class Journal:
         os.fsync(f.fileno())
     os.replace(self._tmp, self.path)
     if versions_changed and self._timeline is not None:
-      self._timeline.write(json.dumps({"t": time.time(), "epoch": record["epoch"],
-                                       "versions": record["versions"]}) + "\n")
+      self._timeline.write(json.dumps({"t": time.time(), "epoch": record["epoch"], "versions": record["versions"],
+                                       "tokens_merged": record["counters"]["tokens_merged"]}) + "\n")
       self._timeline.flush()
 
   def close(self) -> None:
