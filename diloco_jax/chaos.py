@@ -113,6 +113,24 @@ def redone_steps(learner_dir: str | pathlib.Path, log_every: int) -> int:
   return sum(a - (b - log_every) for (_, a), (_, b) in zip(records, records[1:]) if b <= a)
 
 
+def idle_intervals(learner_states: dict, finish: Sequence[float], start: float,
+                   end: float) -> list[tuple[float, float]]:
+  """The intervals within [start, end] during which no learner was up and still training."""
+  active = []
+  for i, t_done in enumerate(finish):
+    for a, b, state in learner_states.get(i, learner_states.get(str(i), [])):
+      if state == "up" and min(b, t_done) > a:
+        active.append((a, min(b, t_done)))
+  idle, t = [], start
+  for a, b in sorted(active):
+    if a > t:
+      idle.append((t, min(a, end)))
+    t = max(t, b)
+  if t < end:
+    idle.append((t, end))
+  return [(a, b) for a, b in idle if b > a]
+
+
 def advance_times(timeline: Sequence[tuple[float, Sequence[int]]]) -> list[float]:
   """Wall times at which some version advanced."""
   out, previous = [], None
@@ -162,22 +180,31 @@ class Event:
     }[self.kind]
 
 
+SETTLE_S = 20.0  # after a syncer restart or a learner kill: repair, start-up, recovery, and a push
+
+
 def standard_schedule(seed: int, learners: int, train_s: float) -> list[Event]:
-  """The standard mix, at seeded times over a run whose undisturbed training takes `train_s` seconds: a
-  syncer kill -9 and a syncer SIGTERM (restarted after 2-5 s), a learner kill -9 (restarted after 10 s), a
-  20 s straggler (SIGSTOP) and a 10 s cut-off, on seeded learners, spread so that no two faults of one
-  learner overlap."""
+  """The standard mix over a run whose undisturbed training takes `train_s` seconds: a syncer kill -9 and
+  a syncer SIGTERM (each restarted after 2-5 s) and a learner kill -9 (restarted after 10 s), in a seeded
+  order, each `SETTLE_S` (+ 0-5 s) after the previous one; a 20 s straggler (SIGSTOP) and a 10 s cut-off at
+  seeded times within the first 60% of the training, which may overlap anything else. The three learner
+  faults hit three different learners (when there are three). Killing a learner while a syncer restart is
+  still settling would make it lose work the restart made it take back (docs/operations.md): the spacing
+  keeps those two apart; `--schedule` can combine anything."""
   rng = np.random.default_rng(seed)
-  at = lambda lo, hi: round(float(rng.uniform(lo, hi)) * train_s, 1)
   order = rng.permutation(learners)
   killed, straggler, cut = (int(order[i % learners]) for i in range(3))
-  return sorted([
-      Event(at(0.10, 0.25), "syncer_kill", duration_s=round(float(rng.uniform(2, 5)), 1)),
-      Event(at(0.55, 0.70), "syncer_term", duration_s=round(float(rng.uniform(2, 5)), 1)),
-      Event(at(0.30, 0.45), "learner_kill", killed, 10.0),
-      Event(at(0.05, 0.20) if straggler != killed else at(0.60, 0.75), "learner_stop", straggler, 20.0),
-      Event(at(0.75, 0.85), "learner_cutoff", cut, 10.0),
-  ], key=lambda e: e.at_s)
+  exclusive = [Event(0.0, "syncer_kill", duration_s=round(float(rng.uniform(2, 5)), 1)),
+               Event(0.0, "syncer_term", duration_s=round(float(rng.uniform(2, 5)), 1)),
+               Event(0.0, "learner_kill", killed, 10.0)]
+  t = round(float(rng.uniform(0.05, 0.15)) * train_s, 1)
+  events = []
+  for k in rng.permutation(3):
+    events.append(dataclasses.replace(exclusive[k], at_s=t))
+    t = round(t + SETTLE_S + float(rng.uniform(0, 5)), 1)
+  events.append(Event(round(float(rng.uniform(0.05, 0.6)) * train_s, 1), "learner_stop", straggler, 20.0))
+  events.append(Event(round(float(rng.uniform(0.05, 0.6)) * train_s, 1), "learner_cutoff", cut, 10.0))
+  return sorted(events, key=lambda e: e.at_s)
 
 
 def load_schedule(path: str, learners: int) -> list[Event]:
@@ -248,6 +275,7 @@ class _Job:
     self.syncer_down: list[list[float]] = []  # [signal time, restarted process start]
     self.learner_states: dict[int, list[list]] = {}  # learner -> [[start, end, state]]
     self.expected_exit: set[int] = set()  # pids we killed
+    self._starting = None  # when the syncer being restarted was started (until it serves)
 
   def _note(self, what: str, kind: str = "", target: int = -1) -> None:
     t = time.time()
@@ -296,6 +324,13 @@ class _Job:
         while pending and pending[0][0] <= now:
           _, _, action, arg = heapq.heappop(pending)
           self._finish(action, arg, port)
+        try:
+          if self._starting is not None and la.syncer_serving():
+            self._note(f"the restarted syncer serves ({time.time() - self._starting:.1f} s after its start)")
+            self._starting = None
+        except launch_local.ChildFailed as e:
+          failure = f"the restarted syncer failed: {e}"
+          break
         # Children: a learner done (0) stays done; anything else we did not cause is a failure.
         if la.syncer.poll() is not None and la.syncer.pid not in self.expected_exit:
           failure = f"the syncer exited with status {la.syncer.poll()}"
@@ -360,8 +395,8 @@ class _Job:
       return [(event.duration_s, "learner_reconnect", event.target)]
     # The syncer.
     syncer = la.syncer
-    if syncer.poll() is not None:
-      self._note(f"skipped ({event.describe()}): the syncer is down", event.kind)
+    if syncer.poll() is not None or self._starting is not None:
+      self._note(f"skipped ({event.describe()}): the syncer is down or starting", event.kind)
       return []
     self.expected_exit.add(syncer.pid)
     self.syncer_down.append([time.time(), None])
@@ -393,11 +428,10 @@ class _Job:
       self._state(arg, "up")
       self._note(f"learner {arg} reconnected", action, arg)
     elif action == "syncer_restart":
-      started = time.time()
-      la.start_syncer(port)
-      self.syncer_down[-1][1] = started
-      self._note(f"syncer restarted on port {port} (same workdir), serving after {time.time() - started:.1f} s",
-                 action)
+      la.start_syncer(port, wait=False)  # the schedule goes on while it starts
+      self.syncer_down[-1][1] = time.time()
+      self._starting = time.time()
+      self._note(f"syncer restarted on port {port} (same workdir)", action)
 
 
 # ---- the report -----------------------------------------------------------------------------------------
@@ -423,7 +457,11 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
     outages.append({"down_at": down, "process_started": up, "first_merge": back,
                     "back_to_merging_s": None if back is None or up is None else back - up,
                     "down_s": None if up is None else up - down})
+  # Outside syncer outages (from the signal to the first merge after the restart), and outside the times
+  # when no learner trains (all stopped, dead, cut off or finished): nothing could be merged then.
   excluded = [(o["down_at"], o["first_merge"] or t_end) for o in outages]
+  finish = [min((t for t, s in step_records(d) if s >= config.train.steps), default=t_end) for d in dirs]
+  excluded += idle_intervals(raw["learner_states"], finish, t_train, t_end)
   # Stalls count until the last version advance: after it the learners only write checkpoints and exit.
   last = max([t for t in advances if t > t_train], default=t_end)
   status = raw["status"] or {}
@@ -432,8 +470,14 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
   wall = t_end - raw["t_launch"]
   tokens = [s["tokens"] if s else 0 for s in summaries]
   by_fragment = counters.get("tokens_merged_by_fragment", [0] * num_fragments)
-  lost = [max(0, sum(tokens) - int(m)) for m in by_fragment]
-  merged_tokens = sum(by_fragment) / num_fragments
+  short = [max(0, sum(tokens) - int(m)) for m in by_fragment]
+  # A killed learner takes with it the work it had not pushed: at most two pushes' worth per fragment
+  # (its steps since its last push, and a push the syncer had not accepted). More is lost work.
+  kills = sum(1 for e in raw["log"] if e["kind"] == "learner_kill")
+  tokens_per_step = config.data.global_batch // learners * config.data.seq_len
+  permitted = kills * 2 * config.outer.sync_every * tokens_per_step
+  lost = [max(0, x - permitted) for x in short]
+  total_merged = sum(by_fragment) / num_fragments
   report = {
       "finished": bool(raw["finished"] and all(s and s.get("completed") for s in summaries)),
       "failure": raw["failure"],
@@ -445,6 +489,8 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
       "longest_stall_s": longest_gap(advances, t_train, last, excluded),
       "longest_stall_raw_s": longest_gap(advances, t_train, last),
       "syncer_restarts": outages,
+      "faults_applied": {k: sum(1 for e in raw["log"] if e["kind"] == k and not e["what"].startswith("skipped"))
+                         for k in KINDS},
       "contributions": {
           "pushed": counters.get("contributions_accepted", 0) + counters.get("contributions_rejected", 0),
           "accepted": counters.get("contributions_accepted", 0),
@@ -453,15 +499,18 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
           "rolled_back_by_crashes": counters.get("contributions_rolled_back", 0),
           "dropped_by_crashes": counters.get("contributions_dropped", 0),
           "closed_at_stop_rounds": counters.get("rounds_closed_at_stop", 0),
+          "tokens_short_by_fragment": short,
+          "tokens_short_permitted": permitted,
           "lost_tokens_by_fragment": lost,
       },
-      "tokens_processed": sum(tokens), "tokens_merged": merged_tokens,
+      "tokens_processed": sum(tokens), "tokens_merged": total_merged,
       "steps_pushed_again": sum(s.get("steps_taken_back", 0) for s in summaries if s),
       "recoveries": [s.get("recoveries", 0) if s else None for s in summaries],
       "blocked_s": [s.get("blocked_s") if s else None for s in summaries],
       "learner_stalls": counters.get("learner_stalls", 0),
-      # One step: the undisturbed run's training wall time per step (all overheads included).
-      "step_time_s": (reference or {}).get("step_time_s") or (t_end - t_train) / config.train.steps,
+      # One step: the undisturbed run's wall time per step while every learner trains (all overheads in).
+      "step_time_s": (reference or {}).get("step_time_s") or (
+          ((first_done(dirs, config.train.steps) or t_end) - t_train) / config.train.steps),
       "eval_loss": eval_loss,
       "events": raw["log"], "learner_states": raw["learner_states"], "timeline": timeline,
       "t_launch": raw["t_launch"], "t_train": t_train, "t_end": t_end,
@@ -472,7 +521,6 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
   # Tokens merged twice (a killed learner's steps between its checkpoint and its death, pushed before it
   # died and trained again after its restart) are not counted.
   window_end = first_done(dirs, config.train.steps) or t_end
-  tokens_per_step = config.data.global_batch // learners * config.data.seq_len
   redone = sum(redone_steps(d, config.train.log_every) for d in dirs) * tokens_per_step
   series = merged_tokens(workdir / "syncer", num_fragments)
   window = max(window_end - t_train, 1e-9)
@@ -513,9 +561,11 @@ def verdict(config, report: dict) -> dict:
 
 def format_report(config, report: dict) -> str:
   c = report["contributions"]
+  applied = ", ".join(f"{n} {k}" for k, n in report["faults_applied"].items() if n)
   lines = [f"chaos: {'finished' if report['finished'] else 'NOT finished (' + str(report['failure']) + ')'}; "
            f"{report['learners']} learners x {report['steps']} steps in {report['wall_s']:.0f} s; versions "
-           f"{report['versions']} {'monotone' if report['versions_monotone'] else 'WENT BACKWARDS'}",
+           f"{report['versions']} {'monotone' if report['versions_monotone'] else 'WENT BACKWARDS'}; faults: "
+           f"{applied or 'none'}",
            f"  longest time without any version advancing: {report['longest_stall_s']:.2f} s outside syncer "
            f"outages ({report['longest_stall_raw_s']:.2f} s with them)"
            + (f"; undisturbed {report['reference']['longest_stall_s']:.2f} s, excess "
@@ -527,8 +577,9 @@ def format_report(config, report: dict) -> str:
                  + (f"{back:.1f} s after its process started" if back is not None else "NEVER"))
   lines.append(f"  contributions: {c['pushed']} pushed, {c['merged']} merged, rejected {c['rejected'] or 'none'}, "
                f"{c['rolled_back_by_crashes']} merged then rolled back and {c['dropped_by_crashes']} dropped "
-               f"by crashes (pushed again: {report['steps_pushed_again']} steps), lost {c['lost']} "
-               f"(tokens short per fragment: {c['lost_tokens_by_fragment']})")
+               f"by crashes (pushed again: {report['steps_pushed_again']} steps); lost {c['lost']} (tokens short per "
+               f"fragment {c['tokens_short_by_fragment']}, of which a killed learner's unpushed work may be "
+               f"{c['tokens_short_permitted']:,})")
   if "reference" in report:
     ref = report["reference"]
     lines.append(f"  goodput {100 * report['goodput']:.1f}%: {report['merge_rate']:,.0f} tokens/s merged into the "
@@ -597,6 +648,7 @@ def run_job(config, config_argv, workdir: pathlib.Path, run_id: str, events: lis
     shutil.rmtree(workdir)
   workdir.mkdir(parents=True)
   raw = _Job(config, config_argv, workdir, run_id, events, say, timeout_s).run()
+  (workdir / "raw.json").write_text(json.dumps(raw, default=str) + "\n")  # to analyze again
   eval_loss = launch_local.evaluate_global(config, workdir / "syncer", run_id) if evaluate and raw["finished"] else None
   report = analyze(config, workdir, raw, reference, eval_loss)
   report["schedule"] = [dataclasses.asdict(e) for e in events]

@@ -28,6 +28,7 @@ process's wall time, payload byte counts and retries). Progress lines go to stde
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -149,6 +150,7 @@ def main(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
   config = fv.config
   learner_id = fv["learner-id"].value
   if not 0 <= learner_id < config.learners.num:
