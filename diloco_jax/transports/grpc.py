@@ -3,7 +3,8 @@
 It implements `protocol.Transport`, like `transports/inprocess.py`, so the learner's background worker
 does not know which one it holds. Calls block; the worker calls them, never the inner loop.
 
-* Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone) a call is retried
+* Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone; CANCELLED: a
+  stopping syncer cancelled the call) a call is retried
   with exponential backoff and jitter, and fails with `SyncerUnreachable` only after `unreachable_deadline_s`
   (a syncer restart from a checkpoint takes seconds to minutes; learners keep training meanwhile). Other
   failures are not retried: a refusal by the core is re-raised as the core's `Rejected` with the same reason,
@@ -37,6 +38,9 @@ from diloco_jax.transports import wan as wan_lib
 
 log = logging.getLogger(__name__)
 
+# Codes that mean "the syncer is not there right now": retried until `unreachable_deadline_s`. CANCELLED:
+# a stopping syncer (SIGTERM) cancels the calls still open after its shutdown grace; its successor answers.
+UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message: 1 byte compressed flag + 4 bytes length
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -183,7 +187,7 @@ class GrpcTransport:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
         if isinstance(e, wan_lib.LinkDown):
           code = grpc.StatusCode.UNAVAILABLE
-        if code != grpc.StatusCode.UNAVAILABLE:
+        if code not in UNREACHABLE_CODES:
           raise self._translate(name, e) from None
         waited = time.monotonic() - start
         if waited + delay > self.unreachable_deadline_s:
