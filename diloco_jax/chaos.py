@@ -113,14 +113,20 @@ def redone_steps(learner_dir: str | pathlib.Path, log_every: int) -> int:
   return sum(a - (b - log_every) for (_, a), (_, b) in zip(records, records[1:]) if b <= a)
 
 
-def idle_intervals(learner_states: dict, finish: Sequence[float], start: float,
-                   end: float) -> list[tuple[float, float]]:
-  """The intervals within [start, end] during which no learner was up and still training."""
+def idle_intervals(learner_states: dict, finish: Sequence[float], start: float, end: float,
+                   records: Sequence[Sequence[tuple[float, int]]] = ()) -> list[tuple[float, float]]:
+  """The intervals within [start, end] during which no learner was up and still training. A learner
+  restarted after a kill counts from its first step record (before it, it starts up and compiles);
+  `records[i]`: learner i's (time, step) records."""
   active = []
   for i, t_done in enumerate(finish):
+    previous = None
     for a, b, state in learner_states.get(i, learner_states.get(str(i), [])):
+      if state == "up" and previous == "dead" and i < len(records):
+        a = min([t for t, _ in records[i] if t >= a] + [b])
       if state == "up" and min(b, t_done) > a:
         active.append((a, min(b, t_done)))
+      previous = state
   idle, t = [], start
   for a, b in sorted(active):
     if a > t:
@@ -461,7 +467,7 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
   # when no learner trains (all stopped, dead, cut off or finished): nothing could be merged then.
   excluded = [(o["down_at"], o["first_merge"] or t_end) for o in outages]
   finish = [min((t for t, s in step_records(d) if s >= config.train.steps), default=t_end) for d in dirs]
-  excluded += idle_intervals(raw["learner_states"], finish, t_train, t_end)
+  excluded += idle_intervals(raw["learner_states"], finish, t_train, t_end, [step_records(d) for d in dirs])
   # Stalls count until the last version advance: after it the learners only write checkpoints and exit.
   last = max([t for t in advances if t > t_train], default=t_end)
   status = raw["status"] or {}
@@ -516,22 +522,23 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
       "t_launch": raw["t_launch"], "t_train": t_train, "t_end": t_end,
   }
   report["contributions"]["lost"] = sum(1 for x in lost if x)
-  # Goodput over the window in which every learner should be training: from the moment all of them
-  # trained to the moment the first finished (the others' tails would count their idle wait otherwise).
-  # Tokens merged twice (a killed learner's steps between its checkpoint and its death, pushed before it
-  # died and trained again after its restart) are not counted.
-  window_end = first_done(dirs, config.train.steps) or t_end
+  # Goodput: tokens merged into the global model per provisioned learner-second, over the undisturbed
+  # run's. A learner is provisioned from the moment every learner trains until it finished its steps
+  # (stopped, dead or cut off meanwhile: still provisioned; finished: released, as a learner of a longer
+  # run would go on). Tokens a killed learner trains twice (between its checkpoint and its death) are
+  # not counted.
+  tokens_per_step = config.data.global_batch // learners * config.data.seq_len
   redone = sum(redone_steps(d, config.train.log_every) for d in dirs) * tokens_per_step
   series = merged_tokens(workdir / "syncer", num_fragments)
-  window = max(window_end - t_train, 1e-9)
-  report.update(window_s=window, tokens_redone=redone,
-                window_tokens_merged=value_at(series, window_end) - value_at(series, t_train) - redone)
-  report["merge_rate"] = report["window_tokens_merged"] / window
+  provisioned = sum(max(f - t_train, 0.0) for f in finish)
+  useful = value_at(series, t_end) - value_at(series, t_train) - redone
+  report.update(provisioned_learner_s=provisioned, tokens_redone=redone, tokens_merged_while_training=useful,
+                merge_rate=useful / max(provisioned, 1e-9))
   if reference is not None:
     rate = reference["merge_rate"]
     report["reference"] = {k: reference[k] for k in ("wall_s", "train_s", "tokens_processed", "eval_loss",
                                                      "longest_stall_s", "step_time_s", "merge_rate",
-                                                     "window_s")}
+                                                     "provisioned_learner_s")}
     report["goodput"] = report["merge_rate"] / rate if rate > 0 else None
     report["eval_loss_ratio"] = (eval_loss / reference["eval_loss"]
                                  if eval_loss and reference.get("eval_loss") else None)
@@ -582,8 +589,8 @@ def format_report(config, report: dict) -> str:
                f"{c['tokens_short_permitted']:,})")
   if "reference" in report:
     ref = report["reference"]
-    lines.append(f"  goodput {100 * report['goodput']:.1f}%: {report['merge_rate']:,.0f} tokens/s merged into the "
-                 f"global model while every learner trains ({report['window_s']:.0f} s; "
+    lines.append(f"  goodput {100 * report['goodput']:.1f}%: {report['merge_rate']:,.0f} tokens merged into the "
+                 f"global model per provisioned learner-second ({report['provisioned_learner_s']:.0f} learner-s; "
                  f"{report['tokens_redone']:,} tokens trained twice not counted) vs {ref['merge_rate']:,.0f} "
                  f"undisturbed")
     if report["eval_loss"] is not None and ref["eval_loss"] is not None:

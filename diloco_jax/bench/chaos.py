@@ -263,7 +263,7 @@ def main(argv) -> int:
       "diloco": {"goodput": dl["goodput"], "eval_loss": dl["eval_loss"], "reference_eval_loss": dl_ref["eval_loss"],
                  "failures": sum(1 for e in dl["events"] if e["kind"] == "learner_kill"),
                  "restart_cost_s": dl["learner_restart_cost_s"], "tokens_redone": dl["tokens_redone"],
-                 "window_s": dl["window_s"], "predicted": predicted["diloco"].goodput,
+                 "provisioned_learner_s": dl["provisioned_learner_s"], "predicted": predicted["diloco"].goodput,
                  "predicted_ci": predicted["diloco"].goodput_ci, "checks": chaos.verdict(config, dl)},
       "dp": {"goodput": dp["goodput"], "eval_loss": dp["eval_loss"], "reference_eval_loss": dp_ref["eval_loss"],
              "failures": dp["failures"], "restart_cost_s": dp["restart_cost_s"], "window_s": dp["window_s"],

@@ -86,6 +86,12 @@ class Comms:
       if step >= 0:
         self._step = step
 
+  def report_step(self, step: int) -> None:
+    """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
+    and is still compiling is not taken for one that makes progress."""
+    with self._lock:
+      self._step = step
+
   def set_blocked(self, blocked: bool) -> None:
     """The inner loop starts (True) or stops (False) waiting on the syncer: not a stopped learner."""
     with self._lock:

@@ -189,6 +189,7 @@ class Learner:
   def join(self) -> None:
     """Joins the syncer; a learner that resumes or rejoins a run in progress adopts every current global
     fragment first, so its next pushes are outer gradients against the global model."""
+    self.comms.report_step(self.trainer.step)
     versions = self.comms.join()
     self.comms.set_epoch(versions.epoch)
     # The seed's fragments (version 0), named in this syncer's numbering.
