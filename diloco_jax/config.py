@@ -60,6 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 50
   c.train.checkpoint_every = 0  # 0 = only at the end
   c.train.keep_checkpoints = 2
+  # Each inner step takes at least this long (the loop sleeps the rest): emulates an accelerator of a fixed
+  # speed, so that on a shared CPU a stopped or dead learner does not speed up the others (chaos and
+  # goodput measurements). 0 = as fast as the devices go.
+  c.train.min_step_s = 0.0
 
   c.mesh = ml_collections.ConfigDict()  # axis sizes of one learner's mesh (or the baseline's); one -1 fill
   c.mesh.data = -1
@@ -154,6 +158,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     _fail("train.lr", f"must be > 0, got {t.lr}")
   if not 0 <= t.warmup_steps <= t.steps:
     _fail("train.warmup_steps", f"must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
+  if t.min_step_s < 0:
+    _fail("train.min_step_s", f"must be >= 0, got {t.min_step_s}")
   if t.log_every < 1 or t.eval_every < 1:
     _fail("train.log_every" if t.log_every < 1 else "train.eval_every", "must be >= 1")
   axes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
