@@ -190,26 +190,32 @@ SETTLE_S = 20.0  # after a syncer restart or a learner kill: repair, start-up, r
 
 
 def standard_schedule(seed: int, learners: int, train_s: float) -> list[Event]:
-  """The standard mix over a run whose undisturbed training takes `train_s` seconds: a syncer kill -9 and
-  a syncer SIGTERM (each restarted after 2-5 s) and a learner kill -9 (restarted after 10 s), in a seeded
-  order, each `SETTLE_S` (+ 0-5 s) after the previous one; a 20 s straggler (SIGSTOP) and a 10 s cut-off at
-  seeded times within the first 60% of the training, which may overlap anything else. The three learner
-  faults hit three different learners (when there are three). Killing a learner while a syncer restart is
-  still settling would make it lose work the restart made it take back (docs/operations.md): the spacing
-  keeps those two apart; `--schedule` can combine anything."""
+  """The standard mix over a run whose undisturbed training takes `train_s` seconds: a learner kill -9
+  (restarted after 10 s), a 20 s straggler (SIGSTOP) and a 10 s cut-off, on three different learners (when
+  there are three), one after the other in a seeded order, so that at any time at most one learner is
+  faulty (what "one learner stopped, dead or cut off" means); and a syncer kill -9 and a syncer SIGTERM
+  (each restarted after 2-5 s), in a seeded order, `SETTLE_S` (+ 0-5 s) apart, and never while the killed
+  learner is down or starting again (killing a learner while a syncer restart settles would make it lose
+  work the restart made it take back, docs/operations.md). Times are seeded."""
   rng = np.random.default_rng(seed)
   order = rng.permutation(learners)
   killed, straggler, cut = (int(order[i % learners]) for i in range(3))
-  exclusive = [Event(0.0, "syncer_kill", duration_s=round(float(rng.uniform(2, 5)), 1)),
-               Event(0.0, "syncer_term", duration_s=round(float(rng.uniform(2, 5)), 1)),
-               Event(0.0, "learner_kill", killed, 10.0)]
-  t = round(float(rng.uniform(0.05, 0.15)) * train_s, 1)
-  events = []
+  learner_faults = [Event(0.0, "learner_kill", killed, 10.0), Event(0.0, "learner_stop", straggler, 20.0),
+                    Event(0.0, "learner_cutoff", cut, 10.0)]
+  busy = {"learner_kill": 10.0 + 15.0, "learner_stop": 20.0 + 3.0, "learner_cutoff": 10.0 + 3.0}
+  events, t, kill_window = [], round(float(rng.uniform(0.05, 0.15)) * train_s, 1), (0.0, 0.0)
   for k in rng.permutation(3):
-    events.append(dataclasses.replace(exclusive[k], at_s=t))
+    event = dataclasses.replace(learner_faults[k], at_s=t)
+    events.append(event)
+    if event.kind == "learner_kill":
+      kill_window = (t - SETTLE_S, t + busy[event.kind])
+    t = round(t + busy[event.kind] + float(rng.uniform(0, 5)), 1)
+  t = round(float(rng.uniform(0.1, 0.3)) * train_s, 1)
+  for kind in rng.permutation(["syncer_kill", "syncer_term"]):
+    if kill_window[0] < t < kill_window[1]:
+      t = round(kill_window[1], 1)
+    events.append(Event(t, str(kind), duration_s=round(float(rng.uniform(2, 5)), 1)))
     t = round(t + SETTLE_S + float(rng.uniform(0, 5)), 1)
-  events.append(Event(round(float(rng.uniform(0.05, 0.6)) * train_s, 1), "learner_stop", straggler, 20.0))
-  events.append(Event(round(float(rng.uniform(0.05, 0.6)) * train_s, 1), "learner_cutoff", cut, 10.0))
   return sorted(events, key=lambda e: e.at_s)
 
 
