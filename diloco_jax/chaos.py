@@ -20,6 +20,7 @@ draws it. Exit status 1 if a check failed. See docs/operations.md, "Chaos".
 from __future__ import annotations
 
 import dataclasses
+import glob
 import heapq
 import json
 import math
@@ -651,6 +652,28 @@ def plot_timeline(report: dict, path: pathlib.Path, num_fragments: int) -> None:
   plt.close(fig)
 
 
+def summary_table(reports: Sequence[dict]) -> str:
+  """A markdown table of several chaos reports (one row per report; `--summarize`)."""
+  rows = ["| seed | finished | monotone | faults | longest stall: chaos / undisturbed / excess (s) | "
+          "restarts back to merging (s) | contributions lost | goodput | eval loss vs undisturbed | checks |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    faults = " ".join(f"{n}{k.replace('learner_', 'L-').replace('syncer_', 'S-')}"
+                      for k, n in r["faults_applied"].items() if n)
+    backs = ", ".join(f"{o['back_to_merging_s']:.1f}" if o["back_to_merging_s"] is not None else "never"
+                      for o in r["syncer_restarts"])
+    ref = r.get("reference", {})
+    checks = r.get("checks", {})
+    failed = [k for k, v in checks.items() if v is False]
+    rows.append(
+        f"| {r.get('seed', '-')} | {'yes' if r['finished'] else 'NO'} | {'yes' if r['versions_monotone'] else 'NO'} "
+        f"| {faults} | {r['longest_stall_s']:.2f} / {ref.get('longest_stall_s', float('nan')):.2f} / "
+        f"{r.get('excess_stall_s', float('nan')):+.2f} | {backs} | {r['contributions']['lost']} | "
+        f"{100 * r['goodput']:.1f}% | {100 * (r['eval_loss_ratio'] - 1):+.2f}% | "
+        f"{'all ok' if not failed else 'FAILED: ' + ', '.join(failed)} |")
+  return "\n".join(rows)
+
+
 # ---- the command ---------------------------------------------------------------------------------------
 
 
@@ -680,11 +703,18 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       "learners) instead of measuring it", flag_values=fv)
   flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
   flags.DEFINE_string("run-id", "chaos", "run id", flag_values=fv)
+  flags.DEFINE_list("summarize", None, "instead of running: print a markdown table of these report.json "
+                    "files (e.g. runs/sweep/seed*/report.json)", flag_values=fv)
 
 
 def main(argv) -> int:
   """`python -m diloco_jax chaos --config C --learners N --seed S [--schedule FILE]`; see the docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
+  if fv.summarize:
+    paths = sorted({p for pattern in fv.summarize for p in glob.glob(pattern)})
+    reports = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    print(summary_table(sorted(reports, key=lambda r: r.get("seed", 0))))
+    return 0
   config = fv.config
   learners = fv.learners
   if learners < 1:

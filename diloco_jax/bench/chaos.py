@@ -1,8 +1,8 @@
 """`python -m diloco_jax bench chaos`: goodput on the real runtime under one fault schedule, Decoupled
 DiLoCo beside data-parallel, beside what the simulator predicts for both.
 
-    python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 3 --seed 0 \\
-        --mtbf-s 40 --repair-s 10 [--config.train.steps=2000] [--workdir runs/bench_chaos]
+    python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \\
+        --mtbf-s 15 --repair-s 10 --min-step-s 0.1 [--config.train.steps=1000] [--workdir runs/bench_chaos]
 
 The schedule is the simulator's failure model on the real processes: learner failures arrive as a Poisson
 process (one every `--mtbf-s` seconds on average, over the whole job, on a seeded learner), each taking
@@ -200,9 +200,12 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
 
 
 def _flags(fv):
-  flags.DEFINE_integer("learners", 3, "learners (data-parallel: the same devices in one job)", flag_values=fv)
+  flags.DEFINE_integer("learners", 6, "learners (data-parallel: the same devices in one job)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "seed of the failure times and targets", flag_values=fv)
-  flags.DEFINE_float("mtbf-s", 40.0, "mean seconds between failures, whole job", flag_values=fv)
+  flags.DEFINE_float("mtbf-s", 15.0, "mean seconds between failures, whole job", flag_values=fv)
+  flags.DEFINE_float("min-step-s", 0.1, "train.min_step_s, if the config sets none: every learner (and the "
+                     "data-parallel job) steps at this emulated accelerator speed, so that on a shared CPU a "
+                     "failed learner does not speed up the others", flag_values=fv)
   flags.DEFINE_float("repair-s", 10.0, "seconds a failed learner (data-parallel: the job) stays out",
                      flag_values=fv)
   flags.DEFINE_string("schedule", None, "a `chaos` schedule file instead of the Poisson failures",
@@ -220,6 +223,9 @@ def main(argv) -> int:
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")
   config_argv = chaos.chaos_config_argv(config, launch_local.config_args(argv), learners)
+  if not config.train.min_step_s and fv["min-step-s"].value > 0:
+    config.train.min_step_s = fv["min-step-s"].value
+    config_argv.append(f"--config.train.min_step_s={config.train.min_step_s}")
   devices = learners * config.learners.devices
   cli.validated(config, devices, learners=True)
   os.environ.update({k: v for k, v in launch_local.child_env(config.learners.devices).items()
