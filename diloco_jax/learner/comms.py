@@ -56,7 +56,7 @@ class Comms:
 
   def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
-               pull_timeout_s: float = 2.0):
+               pull_timeout_s: float = 0.5):
     self.transport = transport
     self.learner_id = learner_id
     self.fingerprint = fingerprint

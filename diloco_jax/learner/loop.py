@@ -90,12 +90,11 @@ class LearnerStats:
 
 
 def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings, state_shardings):
-  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta, "rebase": rebase}) for fragment p.
+  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p.
 
   `adopt(state, base, global_vec, alpha)` takes the new global fragment; `adopt_delta` takes the syncer's
   delta and rebuilds the global fragment as base + delta, one float32 add per element: the same IEEE
   operation as the syncer's numpy reference update, so the base stays bitwise equal to its reference.
-  `rebase(base, global_vec)` replaces the base alone (a syncer restart, see the module docstring).
   """
   paths, shapes = plan.paths[p], plan.shapes[p]
   sizes = [math.prod(s) for s in shapes]
@@ -130,18 +129,12 @@ def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_sharding
     new_global = {k: b[k].astype(jnp.float32) + d for k, d in pieces(delta_vec).items()}
     return mix(state, base, new_global, snapshot_vec, alpha, keep_progress)
 
-  def rebase(base, global_vec):
-    return fragments_lib.replace_leaves(base, pieces(global_vec))
-
   grad_fn = jax.jit(outer_gradient, in_shardings=(param_shardings, param_shardings), out_shardings=replicated)
   adopt_fns = {
       kind: jax.jit(fn, in_shardings=(state_shardings, param_shardings, replicated, replicated, None, None),
                     out_shardings=(state_shardings, param_shardings), donate_argnums=(0, 1))
       for kind, fn in (("full", adopt), ("delta", adopt_delta))
   }
-  # Lazily compiled: only a syncer restart needs it.
-  adopt_fns["rebase"] = jax.jit(rebase, in_shardings=(param_shardings, replicated), out_shardings=param_shardings,
-                                donate_argnums=(0,))
   return grad_fn, adopt_fns
 
 
@@ -374,8 +367,7 @@ class Learner:
           if not protocol.merged_for_good(history, m.epoch, m.round, p):
             steps, tokens = steps + m.steps, tokens + m.tokens
         published, vec = fetched[p]
-        _, adopt_fns = self._fns[p]
-        self.base = adopt_fns["rebase"](self.base, jax.device_put(vec, self._replicated))
+        self._rebase(p, vec)
         self.base_version[p], self.base_epoch[p] = published.version, published.epoch
         self.stats.rebased += 1
       self._merged[p].clear()
@@ -388,6 +380,15 @@ class Learner:
     log.warning("learner %d: syncer restarted (epoch %d); %s; %d steps to push again", self.learner_id, epoch,
                 ", ".join(f"fragment {p}: {plan[p][0]} v{self.base_version[p]}" for p in range(n)), taken_back)
     return True
+
+  def _rebase(self, p: int, vec: np.ndarray) -> None:
+    """base_p <- vec, theta unchanged. Placed leaf by leaf from the host (nothing to compile: a restart
+    must not wait for a compilation while other learners may wait for this one)."""
+    shardings = fragments_lib.flatten(self.trainer.shardings.params)
+    leaves = fragments_lib.flatten(self.base)
+    pieces = {k: jax.device_put(v.astype(leaves[k].dtype), shardings[k])
+              for k, v in fragments_lib.scatter(self.plan, p, vec).items()}
+    self.base = fragments_lib.replace_leaves(self.base, pieces)
 
   def check_syncer(self) -> None:
     """Recover now if the comms saw the syncer restart (called at every step boundary)."""
