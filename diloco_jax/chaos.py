@@ -427,7 +427,7 @@ class _Job:
     la = self.launcher
     if action == "learner_restart":
       la.learners[arg].close()
-      la.learners[arg] = la.start_learner(arg)
+      la.learners[arg], = la.start_learner(arg, add=False)
       self._state(arg, "up")
       self._note(f"learner {arg} restarted (resumes from its checkpoint)", action, arg)
     elif action == "learner_cont":
@@ -510,7 +510,7 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
           "merged": counters.get("contributions_merged", 0),
           "rejected": {k: v for k, v in counters.get("rejected", {}).items() if v},
           "rolled_back_by_crashes": counters.get("contributions_rolled_back", 0),
-          "dropped_by_crashes": counters.get("contributions_dropped", 0),
+          "dropped_by_crashes": counters.get("contributions_lost_open", 0),
           "closed_at_stop_rounds": counters.get("rounds_closed_at_stop", 0),
           "tokens_short_by_fragment": short,
           "tokens_short_permitted": permitted,

@@ -5,6 +5,8 @@
   overhead   a learner's tokens/s with its outer loop active against the bare inner step
   transport  fragment push/pull throughput over loopback gRPC against a raw socket copy
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
+  syncer     parameters the syncer absorbs per second (merge, outer step, downlink) against memory speed
+  multihost  a learner spanning several processes against one process on the same devices
   chaos      goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator
 
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
@@ -12,7 +14,8 @@ Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 
 from diloco_jax import subcommands
 
-BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan", "chaos")}
+BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan",
+                                                             "syncer", "multihost", "chaos")}
 
 
 def main(argv) -> int:

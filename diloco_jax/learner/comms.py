@@ -15,14 +15,20 @@ Fetches say which version's reference the learner holds (`have_version`, its bas
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
 (see `syncer/core.py`, "Downlink" and "Epochs").
+
+Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
+start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import secrets
 import threading
+import time
 
 import numpy as np
 
@@ -63,28 +69,38 @@ class Comms:
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
     self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
-    self._step = -1  # the inner loop's step counter, sent with heartbeats
+    self._step: int | None = None  # the inner loop's step counter, sent with heartbeats (None: unknown)
+    self._stepped = False  # a step was reported with its count (the first one compiled: not timed)
     self._blocked = False  # the inner loop waits on the syncer
     self._epoch = 0  # the syncer epoch the learner's bases are named in (0: none yet)
     self._seen_epoch = 0  # the latest epoch any answer named
     self.rejected: list[str] = []
+    self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
+    self._sequence = itertools.count(1)
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
+    self._cpu_s = 0.0  # CPU time of the sync workers (encode, push, fetch, decode; an in-process core's merge)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
+    self._leaving = threading.Event()  # left the quorum: heartbeats stop and never rejoin
     self._heartbeat_s = heartbeat_s
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
 
-  def report_step_time(self, seconds: float, step: int = -1) -> None:
-    """The inner loop's latest step time (its running average feeds the syncer's grace window) and its
-    step counter (sent with heartbeats: the syncer's evidence that this learner makes progress)."""
+  def report_step_time(self, seconds: float, step: int | None = None) -> None:
+    """The inner loop's latest step time (its running average feeds the syncer's grace window and goodput
+    estimate) and, if given, its step counter (sent with heartbeats: the syncer's evidence that this
+    learner makes progress, shown by its status). The first step a process reports with its count is left
+    out of the average: it compiled, and would weigh on it for dozens of steps."""
     with self._lock:
+      warmup = step is not None and not self._stepped
+      if step is not None:
+        self._step, self._stepped = int(step), True
+      if warmup:
+        return
       s = self._step_time_s
       self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
-      if step >= 0:
-        self._step = step
 
   def report_step(self, step: int) -> None:
     """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
@@ -123,6 +139,12 @@ class Comms:
   def step_time_s(self) -> float:
     with self._lock:
       return self._step_time_s
+
+  @property
+  def cpu_s(self) -> float:
+    """CPU seconds the sync workers spent so far (their own threads' time)."""
+    with self._lock:
+      return self._cpu_s
 
   def traffic(self) -> dict[str, int]:
     """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
@@ -209,12 +231,23 @@ class Comms:
     return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens, self.epoch)
 
   def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
+    cpu0 = time.thread_time()
+    try:
+      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch)
+    finally:
+      with self._lock:
+        self._cpu_s += time.thread_time() - cpu0
+
+  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
+    with self._lock:
+      sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload), base_epoch=base_epoch)
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence,
+                base_epoch=base_epoch)
     del vec
     try:
       receipt = self._push(push, sync_epoch)
@@ -237,7 +270,7 @@ class Comms:
     try:
       receipt = self.transport.push(push)
     except Rejected as e:
-      if e.reason not in REJOIN_REASONS:
+      if e.reason not in REJOIN_REASONS or self._leaving.is_set():
         raise
       versions = self.transport.join(self.learner_id, self.fingerprint)
       epoch = getattr(versions, "epoch", 0)
@@ -245,7 +278,8 @@ class Comms:
       if sync_epoch and epoch not in (0, sync_epoch):
         return None
       receipt = self.transport.push(push)
-    self._see(receipt.epoch)
+    if receipt.epoch != sync_epoch:  # a duplicate's receipt names the sync's own (maybe older) lifetime
+      self._see(receipt.epoch)
     with self._lock:  # only an accepted push reaches the syncer's count
       self._payload_sent += len(push.payload)
       self._pushes += 1
@@ -257,13 +291,13 @@ class Comms:
     return codec_lib.decode(published.payload, published.codec, self.sizes[published.fragment], self.block)
 
   def _heartbeat_loop(self) -> None:
-    while not self._stop.wait(self._heartbeat_s):
+    while not self._stop.wait(self._heartbeat_s) and not self._leaving.is_set():
       with self._lock:
         step_time, step, blocked = self._step_time_s, self._step, self._blocked
       try:
-        self._see(self.transport.heartbeat(self.learner_id, step_time, step, blocked))
+        self._see(self.transport.heartbeat(self.learner_id, step_time, step=step, blocked=blocked))
       except Rejected as e:
-        if e.reason in REJOIN_REASONS:
+        if e.reason in REJOIN_REASONS and not self._leaving.is_set():
           try:
             versions = self.transport.join(self.learner_id, self.fingerprint)
             self._see(getattr(versions, "epoch", 0))
@@ -272,6 +306,11 @@ class Comms:
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
 
+  def abandon(self) -> None:
+    """Stop waiting for syncs in flight: their fetch loops end with an error (the caller closes the
+    transport to end calls on the wire too). For a shutdown whose grace ran out."""
+    self._stop.set()
+
   def close(self, leave: bool = True) -> None:
     # Stop first: a sync still in flight (the learner failed) gives up within one pull instead of
     # holding the shutdown.
@@ -279,6 +318,12 @@ class Comms:
     self._pool.shutdown(wait=True, cancel_futures=True)
     if leave:
       try:
-        self.transport.leave(self.learner_id)
+        self.leave()
       except Exception as e:  # noqa: BLE001
         log.warning("learner %d: leave failed: %s", self.learner_id, e)
+
+  def leave(self) -> None:
+    """Leave the quorum for good: heartbeats stop first, so none rejoins this learner afterwards (a
+    heartbeat refused as "left" would otherwise join it again)."""
+    self._leaving.set()
+    self.transport.leave(self.learner_id)

@@ -15,7 +15,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("versions", "epoch", "history")
+    __slots__ = ("versions", "data_port", "epoch", "history")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,12 +24,14 @@ class JoinResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.ScalarMap[int, int]
+    data_port: int
     epoch: int
     history: _containers.RepeatedCompositeFieldContainer[Lifetime]
-    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., epoch: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Lifetime, _Mapping]]] = ...) -> None: ...
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., data_port: _Optional[int] = ..., epoch: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Lifetime, _Mapping]]] = ...) -> None: ...
 
 class Lifetime(_message.Message):
     __slots__ = ("epoch", "start_rounds", "version_offsets")
@@ -54,7 +56,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size", "base_epoch")
+    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size", "incarnation", "sequence", "base_epoch")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,8 @@ class PushHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
@@ -74,8 +78,10 @@ class PushHeader(_message.Message):
     codec: str
     checksum: int
     total_size: int
+    incarnation: int
+    sequence: int
     base_epoch: int
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., base_epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_epoch: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset")

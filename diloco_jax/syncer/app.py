@@ -10,8 +10,10 @@ initial parameters), resumes from the latest checkpoint in `--workdir` and from 
 (`syncer/ticker.py`), and checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown
 (SIGTERM/SIGINT: calls in flight get `syncer.shutdown_grace_s`, the open rounds are closed with what they
 hold, then a final checkpoint is written and waited for). The bound port is written to
-`WORKDIR/syncer.port` (for launchers that bind port 0); every new version is appended to
-`WORKDIR/versions.jsonl`. Recovery protocol: docs/operations.md.
+`WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to `WORKDIR/config.json`
+(fingerprint beside it), every new version to `WORKDIR/versions.jsonl`, and the syncer's metrics over
+time (`syncer/monitor.py`) to `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`. Recovery
+protocol: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import config as config_lib
+from diloco_jax import metrics as metrics_lib
 from diloco_jax import protocol
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
-from diloco_jax.syncer.service import Limits, serve
+from diloco_jax.syncer.monitor import SyncerMonitor
+from diloco_jax.syncer.service import Limits, serve, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -86,7 +91,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tls-client-ca", None, "PEM CA: require client certificates it signed (mutual TLS)",
                       flag_values=fv)
   flags.DEFINE_bool("allow-remote", False, "permit binding a non-loopback address", flag_values=fv)
-  flags.DEFINE_integer("max-workers", 32, "RPC worker threads", flag_values=fv)
+  flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
+                       flag_values=fv)
   flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
 
 
@@ -105,7 +111,7 @@ def main(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  config = cli.validated(fv.config, None, learners=True)
+  config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
   tls = _tls_from_flags(fv)
   try:
     token = protocol.read_token(fv["token-file"].value)
@@ -115,6 +121,7 @@ def main(argv) -> int:
 
   workdir = pathlib.Path(fv.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.save_resolved(config, workdir, fv["run-id"].value)
   s = config.syncer
   core, fingerprint = build_core(config, fv["run-id"].value)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
@@ -134,7 +141,7 @@ def main(argv) -> int:
     counters = core.counters
     print(f"syncer: restart {counters['restarts']} (epoch {core.epoch}): versions {core.status()['versions']} "
           f"(checkpoint {restored_versions}, journal {record['versions']}); lost to crashes so far: "
-          f"{counters['rounds_rolled_back']} rounds, {counters['contributions_dropped']} open-round "
+          f"{counters['rounds_rolled_back']} rounds, {counters['contributions_lost_open']} open-round "
           "contributions (the learners push that work again)", flush=True)
 
   stop = threading.Event()
@@ -150,9 +157,12 @@ def main(argv) -> int:
 
   ticker = Ticker(core)
   handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
-                 fingerprint=fingerprint, max_workers=fv["max-workers"].value,
+                 data_plane=bool(config.syncer.data_plane),
+                 fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
+  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
+  monitor = SyncerMonitor(core, metrics_log)
   host = fv.bind.rsplit(":", 1)[0]
   (workdir / "syncer.port").write_text(f"{handle.port}\n")
   print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
@@ -165,6 +175,8 @@ def main(argv) -> int:
   closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
   if closed:
     print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
+  monitor.stop()
+  metrics_log.close()
   step = periodic.stop()
   ckpt.close()
   journal.close()

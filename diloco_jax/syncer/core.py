@@ -8,8 +8,10 @@ whole policy can be tested with a fake clock and no sleeps.
 
 Membership. A learner joins with the run's fingerprint (another fingerprint is refused) and holds a lease
 of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
-not live: its pushes are refused ("not_member") until it heartbeats (expired lease) or joins again (left).
-Its pushes already received still merge.
+not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
+until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
+and read the status without joining, and a join with one is refused, so an observer is never a member.
 
 Progress. Heartbeats carry the learner's inner-step counter and whether it is blocked on the syncer. A live
 learner counts toward quorums only while it makes progress: its counter changed, it said it was blocked,
@@ -25,12 +27,15 @@ where step_time is `estimate_step_time` of the live learners' reported step time
 average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
 early as soon as every counted learner has contributed. Once the quorum is reached, the deadline is fixed.
 Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
+(1 + s)^-beta), merge (the weighted mean, optionally RDA), with `scale_partial_rounds` the merged outer
 gradient scaled by `outer.participation` (k of n counted learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
-after its round's deadline goes into the next round (never lost); one based on an older version ("late")
-is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
-contributions merged (quorum counts it once).
+fragment published for the downlink (below), and waiting pulls are woken. Contributions are held as they
+arrived (their payloads, checked at push time: checksum, finiteness and norm, none of which decodes a
+quantized payload), and the close decodes, weighs, sums and steps them in one chunked pass over the
+fragment (`outer.apply_round`, on `merge_threads` threads), updating the global and its momentum in
+place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
+based on an older version ("late") is merged with its staleness discount. A learner pushing the same
+fragment twice into one round has both contributions merged (quorum counts it once).
 
 Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
 created and on every `load_state_dict`.
@@ -47,16 +52,47 @@ order, to a journal (`syncer/checkpoint.py`): versions before any learner can se
 that must survive a kill -9 (bytes, joins, rejections, ...). Counters that describe the global model
 (rounds, contributions and tokens merged) come from the checkpoint: the merges a crash lost are counted
 again when the learners push that work again.
+Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
+Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
+`STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
 
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
 changes nothing else.
+
+Merge safety (nothing a single push claims or sends can dominate a merge or poison the global):
+* Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
+  whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
+  per-learner batch tokens of one inner step): "overclaim". The merge weight then counts at most one
+  schedule period: tokens and steps enter `outer.merge_weights` capped at `sync_every` steps (and their
+  tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
+  more than an honest learner's full period.
+* Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
+  norm is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
+  that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
+  accepted (a new run, a restart), the global fragment's own norm (an outer gradient is one period's
+  change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
+  median in a tiny_cpu run is about 3 (the first full period after the lr warm-up's short ones).
+* Finiteness. A round whose merged update, new global fragment or outer-optimizer state would hold a
+  non-finite value is refused whole: nothing changes (version, global, momentum: the in-place step writes
+  only a result that the norms of its inputs prove finite, or that a read-only pass found finite, see
+  `outer.apply_round`), its contributions are dropped (`counters["rounds_refused"]`,
+  `counters["contributions_dropped"]`, an error log line), and pulls waiting for the next version get the
+  current one at once (as after a rejected push), so no learner waits on a version that its dropped push
+  was to make.
+* Idempotency. A push with a key (`Push.incarnation` != 0) that this core already accepted gets its
+  original receipt and is not merged again (`counters["pushes_duplicate"]`); the same key on another
+  payload is refused ("key_conflict"). The last `KEYS_PER_LEARNER` keys of each learner are kept; the
+  keys of settled contributions (their round closed) go into checkpoints, so a retry that reaches a
+  restarted syncer is merged again only if the checkpoint does not hold its effect.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -64,12 +100,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import config as config_lib
 from diloco_jax import outer
-from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions
+from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
+
+log = logging.getLogger(__name__)
 
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
 MAX_HISTORY = 64  # lifetimes kept in the history (older ones: their learners rebase, see operations.md)
@@ -77,6 +116,13 @@ MAX_HISTORY = 64  # lifetimes kept in the history (older ones: their learners re
 # running total of events, kept across restarts by the journal.
 MODEL_COUNTERS = ("rounds", "contributions_merged", "contributions_late", "tokens_merged",
                   "tokens_merged_by_fragment")
+NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
+NORM_WARMUP = 4  # accepted norms needed before the median is the reference
+NORM_FLOOR = 1e-3  # the median reference never falls below this times the global fragment's norm
+WARMUP_RMS = 0.1  # before NORM_WARMUP accepted norms, the reference is at least this RMS per element
+KEYS_PER_LEARNER = 16  # idempotency keys remembered per learner
+STATUS_MEMBERS = 64  # members shown in detail by `status` (all are counted)
+STATUS_IDS = 1024  # ids listed by `status` (live learners, round contributors); all are counted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +145,13 @@ class SyncerSettings:
   scale_partial_rounds: bool = False
   # A learner without progress for this long (plus one of its steps) stops counting toward quorums.
   stall_s: float = math.inf
+  merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
+  num_learners: int = 1  # learner ids lie in [0, num_learners)
+  # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
+  tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
+  sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
+  max_push_steps: int = 0  # train.steps: no push may claim more
+  max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -119,6 +172,17 @@ class SyncerSettings:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
     if not self.stall_s > 0:
       raise ValueError(f"outer.stall_s must be > 0, got {self.stall_s}")
+    if self.merge_threads < 1:
+      raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
+                       f"{self.merge_threads}")
+    if self.num_learners < 1:
+      raise ValueError(f"learners.num must be >= 1, got {self.num_learners}")
+    for field, value in (("tokens_per_step", self.tokens_per_step), ("sync_every", self.sync_every),
+                         ("max_push_steps", self.max_push_steps)):
+      if value < 0:
+        raise ValueError(f"{field} must be >= 0 (0: no bound), got {value}")
+    if not self.max_norm_ratio >= 0:
+      raise ValueError(f"outer.max_norm_ratio must be >= 0 (0: off), got {self.max_norm_ratio}")
 
   @classmethod
   def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
@@ -141,6 +205,12 @@ class SyncerSettings:
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
         stall_s=config_lib.stall_bound_s(config),
+        merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
+        num_learners=int(config.learners.num),
+        tokens_per_step=int(config.data.global_batch // config.learners.num * config.data.seq_len),
+        sync_every=int(o.sync_every),
+        max_push_steps=int(config.train.steps),
+        max_norm_ratio=float(o.max_norm_ratio),
     )
 
 
@@ -154,6 +224,11 @@ class _Member:
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
   stall_counted: bool = False  # counters["learner_stalls"] already counts this stall
+  step_at: float | None = None  # clock time of the latest heartbeat with a step counter
+  last_push: float | None = None  # clock time of its last accepted push
+  # Inner steps of its contributions merged since this syncer started, summed over fragments (each
+  # fragment's contributions count the same steps: `status` divides by P).
+  steps_merged: int = 0
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -169,10 +244,24 @@ class _Member:
 class _Contribution:
   learner_id: int
   base_version: int
-  steps: int
+  steps: int  # as claimed (within the bounds)
   tokens: int
-  delta: np.ndarray
+  # The outer gradient as it arrived (checked, not decoded: a round decodes its contributions chunk by
+  # chunk when it closes, see `outer.apply_round`), and its L2 norm (taken at push time from the payload,
+  # `codec.norm`: the outlier check, RDA and the round's finiteness bound use it).
+  encoded: codec_lib.Encoded
+  norm: float
   arrived: float
+  weight_steps: int  # what the merge weight counts: capped at one schedule period
+  weight_tokens: int
+  key: tuple[int, int] | None = None  # (incarnation, sequence)
+
+
+@dataclasses.dataclass
+class _KeyRecord:
+  checksum: int
+  receipt: PushReceipt
+  settled: bool = False  # its round closed (merged or refused): checkpoints keep the key
 
 
 @dataclasses.dataclass
@@ -180,6 +269,7 @@ class _Round:
   opened: float
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
+  quorum_at: float | None = None  # when the quorum was reached (the grace window runs from here)
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -204,6 +294,11 @@ def _new_counters(num_fragments: int) -> dict[str, Any]:
       "leaves": 0,
       "leases_expired": 0,
       "learner_stalls": 0,
+      "members_pruned": 0,
+      "pushes_duplicate": 0,
+      "rounds_refused": 0,  # rounds that would have published a non-finite value
+      "contributions_dropped": 0,  # the contributions of those rounds
+      "tick_errors": 0,  # exceptions the ticker survived
       # Restarts (attach_journal): lifetimes, and what the crashes took from the global model (merged
       # rounds and contributions after the restored checkpoint; contributions of open rounds). The learners
       # push that work again (docs/operations.md, "Recovery").
@@ -211,7 +306,7 @@ def _new_counters(num_fragments: int) -> dict[str, Any]:
       "rounds_rolled_back": 0,
       "contributions_rolled_back": 0,
       "tokens_rolled_back": 0,
-      "contributions_dropped": 0,
+      "contributions_lost_open": 0,
       "rounds_closed_at_stop": 0,
   }
 
@@ -247,23 +342,34 @@ class SyncerCore:
     self.clock = clock
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
       frag = np.array(frag, np.float32).reshape(-1)
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
-    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
     n = settings.num_fragments
+    # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
+    self._momenta = [np.zeros_like(g) for g in self._globals]
     self._versions = [0] * n
     self._rounds = [0] * n  # index of each fragment's next round to close (= rounds the model holds)
     self._open: list[_Round | None] = [None] * n
     self._t_sync = [0.0] * n
     self._members: dict[int, _Member] = {}
+    self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
+    # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
+    # lets a round prove its result finite before writing in place (`outer.apply_round`).
+    self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
+    self._momentum_norms = [0.0] * n
+    self._refused_at = [-1] * n  # the version a refused round left in place
+    self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
     self.counters = _new_counters(n)
+    # Since this core started (not checkpointed; `status` reports them): rounds closed, their distinct
+    # contributors and their grace waits (quorum to close), summed.
+    self._started = clock()
+    self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch())
+                              epoch=new_epoch(), threads=settings.merge_threads)
     self._history = [EpochRecord(self._downlink.epoch, (0,) * n, (0,) * n)]
     self._journal: Callable[[dict, bool], None] | None = None
 
@@ -342,7 +448,37 @@ class SyncerCore:
     c["rounds_rolled_back"] += max(0, sum(int(r) for r in record["rounds"]) - sum(self._rounds))
     c["contributions_rolled_back"] += max(0, saved["contributions_merged"] - model["contributions_merged"])
     c["tokens_rolled_back"] += max(0, saved["tokens_merged"] - model["tokens_merged"])
-    c["contributions_dropped"] += int(record.get("open_contributions", 0))
+    c["contributions_lost_open"] += int(record.get("open_contributions", 0))
+  def count(self, name: str, n: int = 1) -> None:
+    """Add to one of `counters` (e.g. "tick_errors", counted by the ticker)."""
+    with self._lock:
+      self.counters[name] = self.counters.get(name, 0) + n
+      self._changed()
+
+  # ---- identity ----
+
+  def _refuse(self, reason: str, message: str) -> Rejected:
+    # Called with the lock held: counts the refusal by reason (journaled: it survives a kill -9).
+    self.counters["rejected"][reason] += 1
+    self._changed()
+    return Rejected(reason, message)
+
+  def _id_problem(self, learner_id) -> str | None:
+    """Why `learner_id` is not one of this run's learners, or None if it is."""
+    if isinstance(learner_id, int) and 0 <= learner_id < self.settings.num_learners:
+      return None
+    return (f"learner id {shorten(learner_id)} is not one of this run's learners "
+            f"[0, learners.num={self.settings.num_learners})")
+
+  def _check_id_locked(self, learner_id) -> None:
+    problem = self._id_problem(learner_id)
+    if problem:
+      raise self._refuse("learner_id", problem)
+
+  def check_learner_id(self, learner_id: int) -> None:
+    """Raise Rejected("learner_id") unless 0 <= learner_id < learners.num."""
+    with self._lock:
+      self._check_id_locked(learner_id)
 
   # ---- membership ----
 
@@ -350,13 +486,18 @@ class SyncerCore:
     """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version} with
     this core's epoch and history."""
     with self._lock:
+      self._check_id_locked(learner_id)
       if fingerprint != self.settings.fingerprint:
-        raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
-                       f"syncer serves {self.settings.fingerprint!r} (different run or config)")
+        raise self._refuse("fingerprint", f"learner {learner_id} has run fingerprint {shorten(fingerprint)}, "
+                           f"this syncer serves {self.settings.fingerprint!r} (different run or config)")
       now = self.clock()
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s, progress_at=now,
-                                          step_time_s=old.step_time_s if old else 0.0)
+                                          step_time_s=old.step_time_s if old else 0.0,
+                                          step=old.step if old else None,
+                                          step_at=old.step_at if old else None,
+                                          last_push=old.last_push if old else None,
+                                          steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
       self._changed()
       return Versions(enumerate(self._versions), epoch=self.epoch, history=tuple(self._history))
@@ -364,6 +505,7 @@ class SyncerCore:
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is not None and not member.left:
         member.left = True
@@ -371,14 +513,17 @@ class SyncerCore:
         self._changed()
       self._tick_locked()
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int = -1, blocked: bool = False) -> int:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,
+                blocked: bool = False) -> int:
     """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate;
-    `step` (its inner-step counter; -1: not sent) and `blocked` say whether it makes progress (module
-    docstring, "Progress"). Returns this core's epoch."""
+    `step` (its inner-step counter; None: not sent; shown by `status`) and `blocked` say whether it makes
+    progress (module docstring, "Progress"). Returns this core's epoch."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is None:
-        raise Rejected("unknown_learner", f"learner {learner_id} never joined this syncer")
+        raise Rejected("unknown_learner", f"learner {learner_id} is not a member of this syncer (never "
+                       "joined, or pruned after its lease lapsed): join again")
       if member.left:
         raise Rejected("not_member", f"learner {learner_id} left; join again")
       now = self.clock()
@@ -386,10 +531,12 @@ class SyncerCore:
       member.expiry_counted = False
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
-      if step < 0 or step != member.step or blocked:
+      if step is None or step != member.step or blocked:
         member.progress_at = now
         member.stall_counted = False
-      member.step, member.blocked = int(step), bool(blocked)
+      if step is not None:
+        member.step, member.step_at = int(step), now
+      member.blocked = bool(blocked)
       self._tick_locked()
       return self.epoch
 
@@ -412,18 +559,37 @@ class SyncerCore:
 
   def _reject(self, reason: str, message: str) -> Rejected:
     # Called with the lock held; the counters are the only state a rejection changes.
-    self.counters["rejected"][reason] += 1
     self.counters["contributions_rejected"] += 1
-    self._changed()
-    return Rejected(reason, message)
+    return self._refuse(reason, message)
+
+  def _check_sender_locked(self, push: Push) -> None:
+    """Who sent it: a learner of this run (checked before anything else, duplicates included)."""
+    problem = self._id_problem(push.learner_id)
+    if problem:
+      raise self._reject("learner_id", problem)
+    if push.fingerprint != self.settings.fingerprint:
+      raise self._reject("fingerprint", f"push fingerprint {shorten(push.fingerprint)} != run "
+                         f"{self.settings.fingerprint!r}")
+
+  def _seen_locked(self, push: Push) -> PushReceipt | None:
+    """The original receipt if this push's idempotency key was accepted before, else None."""
+    if not push.incarnation:
+      return None
+    record = self._keys.get(push.learner_id, {}).get((push.incarnation, push.sequence))
+    if record is None:
+      return None
+    if record.checksum != push.checksum:
+      raise self._reject("key_conflict", f"learner {push.learner_id} reused push key "
+                         f"({push.incarnation}, {push.sequence}) for a different payload")
+    self.counters["pushes_duplicate"] += 1
+    return record.receipt
 
   def _validate_locked(self, push: Push) -> None:
     s = self.settings
     member = self._members.get(push.learner_id)
     if member is None:
-      raise self._reject("unknown_learner", f"learner {push.learner_id} never joined this syncer")
-    if push.fingerprint != s.fingerprint:
-      raise self._reject("fingerprint", f"push fingerprint {push.fingerprint!r} != run {s.fingerprint!r}")
+      raise self._reject("unknown_learner", f"learner {push.learner_id} is not a member of this syncer "
+                         "(never joined, or pruned after its lease lapsed)")
     if not member.live(self.clock()):
       why = "left" if member.left else "lease expired (heartbeat to renew)"
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
@@ -434,7 +600,7 @@ class SyncerCore:
                          f"{push.base_epoch}, this syncer's epoch is {self.epoch}: it restarted; join again and "
                          "recover (docs/operations.md)")
     if push.codec != s.codec:
-      raise self._reject("codec", f"push codec {push.codec!r}, this run uses {s.codec!r}")
+      raise self._reject("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
     want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
     if len(push.payload) != want:
       raise self._reject("shape", f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a "
@@ -445,41 +611,94 @@ class SyncerCore:
     if push.base_version > self._versions[push.fragment]:
       raise self._reject("future_version", f"base_version {push.base_version} is ahead of fragment "
                          f"{push.fragment}'s version {self._versions[push.fragment]}")
+    if s.max_push_steps and push.steps > s.max_push_steps:
+      raise self._reject("overclaim", f"{push.steps} steps claimed; no learner of this run takes more than "
+                         f"train.steps={s.max_push_steps}")
+    if s.tokens_per_step and push.tokens > push.steps * s.tokens_per_step:
+      raise self._reject("overclaim", f"{push.tokens} tokens claimed over {push.steps} steps; a learner "
+                         f"takes at most {s.tokens_per_step} tokens per step")
+
+  def _weight_inputs(self, push: Push) -> tuple[int, int]:
+    """(steps, tokens) as the merge weight counts them: at most one schedule period's."""
+    s = self.settings
+    steps, tokens = push.steps, push.tokens
+    if s.sync_every:
+      steps = min(steps, s.sync_every)
+      if s.tokens_per_step:
+        tokens = min(tokens, s.sync_every * s.tokens_per_step)
+    return steps, tokens
+
+  def _norm_reference_locked(self, p: int) -> tuple[float, str]:
+    """The norm fragment p's outer gradients are compared with, and what it is."""
+    history = self._norms[p]
+    if len(history) >= NORM_WARMUP:
+      return (max(float(np.median(history)), NORM_FLOOR * self._global_norms[p]),
+              f"the median of its last {len(history)} accepted norms")
+    # A fragment that is all zeros still gets a usable scale: an RMS of WARMUP_RMS per element.
+    return (max(self._global_norms[p], WARMUP_RMS * math.sqrt(self.settings.sizes[p])),
+            "the global fragment's own norm (too few accepted pushes yet)")
 
   def push(self, push: Push) -> PushReceipt:
     """Accept one contribution into its fragment's open round (or raise Rejected), then tick."""
     s = self.settings
     with self._lock:
+      self._check_sender_locked(push)
+      receipt = self._seen_locked(push)
+      if receipt is not None:
+        return receipt
       self._validate_locked(push)
-    # Checksum and decode outside the lock: they are the expensive part and need no state.
+    # Checksum, finiteness and norm outside the lock: they are the expensive part and need no state. The
+    # payload is not decoded (the round's close does that, chunk by chunk): finiteness from its scales,
+    # the norm from its codes and scales (`codec.finite`, `codec.norm`).
     problem = None
     if codec_lib.checksum(push.payload) != push.checksum:
       problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
                  f"{push.checksum:#010x}")
     else:
-      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
-      if not np.isfinite(delta).all():
+      encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not codec_lib.finite(encoded, threads=s.merge_threads):
         problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
+      else:
+        norm = codec_lib.norm(encoded, threads=s.merge_threads)
     with self._lock:
       if problem is not None:
         raise self._reject(*problem)
-      # The state may have changed while we decoded (a restore): validate again, cheaply.
+      receipt = self._seen_locked(push)  # the same key may have been accepted meanwhile (a retry)
+      if receipt is not None:
+        return receipt
+      # The state may have changed while we checked (a restore): validate again, cheaply.
       self._validate_locked(push)
+      p = push.fragment
+      if s.max_norm_ratio > 0:
+        reference, what = self._norm_reference_locked(p)
+        if not norm <= s.max_norm_ratio * reference:
+          raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} exceeds "
+                             f"outer.max_norm_ratio={s.max_norm_ratio:g} x {reference:.4g}, {what}")
       # Close whatever is due first: a push after a round's deadline belongs to the next round.
       self._tick_locked()
       now = self.clock()
-      p = push.fragment
       late = push.base_version < self._versions[p]
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
+      key = (push.incarnation, push.sequence) if push.incarnation else None
+      weight_steps, weight_tokens = self._weight_inputs(push)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
-                                                       push.tokens, delta, now))
+                                                       push.tokens, encoded, norm, now, weight_steps,
+                                                       weight_tokens, key))
+      if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
+        self._norms[p].append(norm)
       member = self._members[push.learner_id]
       member.progress_at, member.stall_counted = now, False  # it stepped to get here
+      member.last_push = now
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
       self.counters["contributions_accepted"] += 1
       receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, epoch=self.epoch)
+      if key is not None:
+        keys = self._keys.setdefault(push.learner_id, collections.OrderedDict())
+        keys[key] = _KeyRecord(push.checksum, receipt)
+        while len(keys) > KEYS_PER_LEARNER:
+          keys.popitem(last=False)
       self._changed()
       self._tick_locked()
       return receipt
@@ -495,6 +714,13 @@ class SyncerCore:
   def _step_time(self, now: float) -> float:
     return estimate_step_time([self._members[i].step_time_s for i in self._counted(now)])
 
+  def _prune_locked(self, now: float) -> None:
+    """Forget members whose lease lapsed (or that left) more than a lease ago: they join again."""
+    stale = [i for i, m in self._members.items() if not m.live(now) and now > m.lease_until + self.settings.lease_s]
+    for i in stale:
+      del self._members[i]
+    self.counters["members_pruned"] += len(stale)
+
   def _tick_locked(self) -> list[int]:
     now = self.clock()
     noted = False
@@ -505,10 +731,11 @@ class SyncerCore:
       if m.live(now) and not m.progressing(now, self.settings.stall_s) and not m.stall_counted:
         m.stall_counted = noted = True
         self.counters["learner_stalls"] += 1
+    self._prune_locked(now)
     if noted:
       self._changed()
     counted = set(self._counted(now))
-    committed = []
+    committed, refused = [], False
     for p, rnd in enumerate(self._open):
       if rnd is None:
         continue
@@ -520,29 +747,50 @@ class SyncerCore:
           grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
                                  self._t_sync[p])
           rnd.deadline = quorum_at + grace
+          rnd.quorum_at = quorum_at
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or counted <= set(contributors):
-        self._close_locked(p)
-        committed.append(p)
-    if committed:
+        if self._close_locked(p):
+          committed.append(p)
+        else:
+          refused = True
+    if committed or refused:
       self._cond.notify_all()
     return committed
 
-  def _close_locked(self, p: int) -> None:
+  def _close_locked(self, p: int) -> bool:
+    """Merge and publish fragment p's open round; False if it was refused (a non-finite result)."""
     s = self.settings
     rnd = self._open[p]
     self._open[p] = None
     started = self.clock()
     cs = rnd.contributions
-    weights = outer.merge_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule,
+    for c in cs:
+      if c.key is not None and c.key in self._keys.get(c.learner_id, {}):
+        self._keys[c.learner_id][c.key].settled = True
+    weights = outer.merge_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule,
                                   staleness=[self._versions[p] - c.base_version for c in cs],
                                   beta=s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
+    scale = 1.0
     if s.scale_partial_rounds:
-      merged = merged * outer.participation(len(rnd.contributors()), len(self._counted(started)))
-    self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
-                                                             merged)
+      scale = outer.participation(len(rnd.contributors()), len(self._counted(started)))
+    # In place, all or nothing: a round that would leave a non-finite value writes nothing.
+    result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
+                               codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
+                               norms=[c.norm for c in cs], scale=scale, threads=s.merge_threads,
+                               state_norms=(self._global_norms[p], self._momentum_norms[p]))
+    if not result.applied:
+      # Nothing is published: the version, the global and the momentum stay; the contributions are dropped.
+      self._refused_at[p] = self._versions[p]
+      self.counters["rounds_refused"] += 1
+      self.counters["contributions_dropped"] += len(cs)
+      log.error("fragment %d: round %d refused, its %s would hold non-finite values; dropped %d "
+                "contributions from learners %s; version stays %d", p, self._rounds[p],
+                " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
+      self._changed()
+      return False
+    self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
     self._versions[p] += 1
     self._rounds[p] += 1
     self._downlink.commit(p, self._versions[p], self._globals[p])
@@ -554,17 +802,24 @@ class SyncerCore:
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += tokens
     self.counters["tokens_merged_by_fragment"][p] += tokens
+    self._since_start["rounds"] += 1
+    self._since_start["contributors"] += len(rnd.contributors())
+    if rnd.quorum_at is not None:  # a round closed at a stop may not have reached its quorum
+      self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
+    for c in cs:
+      if c.learner_id in self._members:
+        self._members[c.learner_id].steps_merged += c.steps
     self._changed(versions=True)  # durable before a learner can see the new version
+    return True
 
   def close_open_rounds(self) -> list[int]:
     """Close every open round now, whatever its quorum (a syncer stopping: its contributions are merged
-    rather than dropped); returns the fragments committed."""
+    rather than dropped); returns the fragments committed (a round refused as non-finite is not)."""
     with self._lock:
-      committed = [p for p, rnd in enumerate(self._open) if rnd is not None]
-      for p in committed:
-        self._close_locked(p)
+      due = [p for p, rnd in enumerate(self._open) if rnd is not None]
+      committed = [p for p in due if self._close_locked(p)]
       self.counters["rounds_closed_at_stop"] += len(committed)
-      if committed:
+      if due:
         self._changed()
         self._cond.notify_all()
       return committed
@@ -621,7 +876,9 @@ class SyncerCore:
     with self._lock:
       while True:
         self._tick_locked()
-        if self._versions[fragment] >= min_version:
+        version = self._versions[fragment]
+        # After a refused round, a wait for the version it was to make ends with the current one.
+        if version >= min_version or (self._refused_at[fragment] == version and min_version == version + 1):
           published = self._downlink.answer(fragment, have_version, have_epoch)
           self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
@@ -638,22 +895,48 @@ class SyncerCore:
   # ---- introspection and checkpoints ----
 
   def status(self) -> dict:
-    """Members, versions, open rounds and counters, as plain JSON-able values."""
+    """Members, versions, open rounds and counters, as plain JSON-able values. Bounded whatever the
+    membership: at most `STATUS_MEMBERS` members in detail (live ones first) and `STATUS_IDS` ids per
+    list, with counts of all.
+
+    `since_start`: rounds closed since this core started, with their distinct contributors and grace waits
+    (quorum to close) summed. `goodput_estimate`: the syncer's view of goodput since it started, sum over
+    members of (steps merged / P) x step time, over (learners provisioned x uptime): compute whose tokens
+    reached the global model, as a fraction of the time the run held its learners (start-up and compile
+    time, blocked waits, dead time and work not merged count as lost).
+    """
     with self._lock:
       now = self.clock()
       stall_s = self.settings.stall_s
+      uptime = now - self._started
+      provisioned = max(self.settings.num_learners, len(self._members)) * uptime
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
+      live = self._live(now)
+      shown = live[:STATUS_MEMBERS]
+      if len(shown) < STATUS_MEMBERS:
+        shown += sorted(i for i in self._members if i not in set(live))[:STATUS_MEMBERS - len(shown)]
       return {
           "fingerprint": self.settings.fingerprint,
           "epoch": self.epoch,
-          "live": self._live(now),
-          "counted": self._counted(now),
+          "uptime_s": uptime,
+          "since_start": dict(self._since_start),
+          "num_learners": self.settings.num_learners,
+          "goodput_estimate": useful / provisioned if provisioned > 0 else 0.0,
+          "live": live[:STATUS_IDS],
+          "counted": self._counted(now)[:STATUS_IDS],
+          "member_count": {"total": len(self._members), "live": len(live), "shown": len(shown)},
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
                                "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
-                               "blocked": m.blocked, "progressing": m.progressing(now, stall_s)}
-                      for i, m in sorted(self._members.items())},
+                               "step_ago_s": None if m.step_at is None else now - m.step_at,
+                               "blocked": m.blocked, "progressing": m.progressing(now, stall_s),
+                               "last_push_ago_s": None if m.last_push is None else now - m.last_push,
+                               "steps_merged": m.steps_merged / self.settings.num_fragments}
+                      for i, m in ((i, self._members[i]) for i in sorted(shown))},
           "versions": list(self._versions),
           "rounds": list(self._rounds),
-          "open_rounds": {str(p): {"contributors": r.contributors(), "contributions": len(r.contributions),
+          "open_rounds": {str(p): {"contributors": r.contributors()[:STATUS_IDS],
+                                   "contributor_count": len(r.contributors()),
+                                   "contributions": len(r.contributions),
                                    "deadline_in_s": None if r.deadline is None else r.deadline - now}
                           for p, r in enumerate(self._open) if r is not None},
           "step_time_s": self._step_time(now),
@@ -663,22 +946,28 @@ class SyncerCore:
       }
 
   def state_dict(self) -> dict:
-    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
-    numbers, the lifetime history (this lifetime included) and counters (copies), and with a delta downlink
-    the references R and the latest deltas (so a restored syncer serves learners the same bytes; under a
-    new epoch, see `load_state_dict`). Not included: membership (learners rejoin after a restart) and the
-    contributions of open rounds, which a restore drops (a stopping syncer closes them first,
-    `close_open_rounds`); their learners push that work again (docs/operations.md, "Recovery")."""
+    """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
+    numbers, the lifetime history (this lifetime included), counters (copies), the idempotency keys of
+    settled pushes, and with a delta downlink the references R and the latest deltas (so a restored syncer
+    serves learners the same bytes; under a new epoch, see `load_state_dict`). Not included: membership
+    (learners rejoin after a restart) and the contributions of open rounds, which a restore drops (a
+    stopping syncer closes them first, `close_open_rounds`); their learners push that work again
+    (docs/operations.md, "Recovery")."""
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
-          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "opt_states": [m.copy() for m in self._momenta],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
           "history": [[h.epoch, list(h.start_rounds), list(h.version_offsets)] for h in self._history],
+          # Idempotency keys of settled contributions, whose effect this state holds: [learner,
+          # incarnation, sequence, checksum, fragment, round, late, epoch that accepted it].
+          "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late,
+                         r.receipt.epoch]
+                        for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
           **self._downlink.state_dict(),
       }
 
@@ -695,18 +984,21 @@ class SyncerCore:
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
-    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
+    global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
+    momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
     versions = [int(v) for v in state["versions"]]
     rounds = [int(r) for r in state["rounds"]]
     epoch = new_epoch()
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, epoch)
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, epoch,
+                                threads=s.merge_threads)
     history = [EpochRecord(int(e), tuple(int(x) for x in starts), tuple(int(x) for x in offsets))
                for e, starts, offsets in state.get("history") or ()]
     history = history[-(MAX_HISTORY - 1):] + [
         EpochRecord(epoch, tuple(rounds), tuple(v - r for v, r in zip(versions, rounds)))]
     with self._lock:
       self._globals = fragments
-      self._opt_states = opt_states
+      self._momenta = momenta
       self._versions = versions
       self._downlink = downlink
       self._history = history
@@ -714,4 +1006,14 @@ class SyncerCore:
       self._t_sync = [float(t) for t in state["t_sync"]]
       self.counters = _merge_counters(n, state["counters"])
       self._open = [None] * n
+      self._global_norms, self._momentum_norms = global_norms, momentum_norms
+      self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
+      self._refused_at = [-1] * n
+      self._keys = {}
+      for row in state.get("push_keys", []):
+        i, incarnation, sequence, checksum, fragment, rnd, late = row[:7]
+        receipt = PushReceipt(fragment=int(fragment), round=int(rnd), late=bool(late),
+                              epoch=int(row[7]) if len(row) > 7 else 0)
+        self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
+            _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()

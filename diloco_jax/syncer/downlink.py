@@ -8,7 +8,8 @@ from the seed). On each commit
 
     payload_v = encode(Theta_v - R_{v-1}, downlink_codec),   R_v = R_{v-1} + decode(payload_v)
 
-(one float32 numpy add, which the learner repeats on its device with the same IEEE rounding). The
+(one float32 add, which the learner repeats on its device with the same IEEE rounding; the syncer does
+both steps in place in one chunked pass, `codec.encode_residual`). The
 quantization residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most
 one quantization error of one delta instead of drifting. A pull that says it holds R_{v-1}
 (`have_version == v - 1`) gets the delta (kind "delta", `base_version` v - 1); any other gets R_v in fp32
@@ -33,7 +34,9 @@ from typing import Sequence
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import Published
+from diloco_jax.protocol import BufferPool, Published
+
+ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one costs its page faults)
 
 
 def new_epoch() -> int:
@@ -45,25 +48,30 @@ class Downlink:
   """The references R, the latest delta and the cached full answer of every fragment. Not thread-safe:
   the core calls it under its lock."""
 
-  def __init__(self, sizes: Sequence[int], codec: str, block: int, initial: Sequence[np.ndarray], epoch: int):
+  def __init__(self, sizes: Sequence[int], codec: str, block: int, initial: Sequence[np.ndarray], epoch: int,
+               threads: int = 1):
     self.sizes, self.codec, self.block = tuple(sizes), codec, block
     self.is_delta = codec != "fp32"
     self.epoch = epoch
-    # Shared, not copied: neither the core nor this class ever mutates a fragment array in place.
-    self._refs = [np.asarray(f, np.float32).reshape(-1) for f in initial]
+    self.threads = threads
+    # With fp32 the reference is the core's global array itself (shared: the core updates it in place,
+    # under its lock, and commits before anyone reads it); with a delta codec it is this class's own copy,
+    # updated in place by `commit`.
+    self._refs = [np.array(f, np.float32).reshape(-1) if self.is_delta else np.asarray(f, np.float32).reshape(-1)
+                  for f in initial]
     self._versions = [0] * len(self.sizes)
     self._deltas: list[Published | None] = [None] * len(self.sizes)  # the latest version's delta
     self._full: list[Published | None] = [None] * len(self.sizes)  # built lazily: joins and laggards
+    self._answers = BufferPool(ANSWER_POOL_BYTES)
 
   def commit(self, p: int, version: int, theta: np.ndarray) -> None:
     """Publish fragment p's new global `theta` at `version`."""
     self._versions[p] = version
     self._full[p] = None
     if not self.is_delta:
-      self._refs[p] = theta  # the core replaces (never mutates) its globals
+      self._refs[p] = theta
       return
-    payload = codec_lib.encode(theta - self._refs[p], self.codec, self.block)
-    self._refs[p] = self._refs[p] + codec_lib.decode(payload, self.codec, self.sizes[p], self.block)
+    payload = codec_lib.encode_residual(theta, self._refs[p], self.codec, self.block, threads=self.threads)
     self._deltas[p] = Published(fragment=p, version=version, codec=self.codec, payload=payload,
                                 checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1,
                                 epoch=self.epoch)
@@ -77,7 +85,10 @@ class Downlink:
         and have_version == delta.base_version and same_reference):
       return delta
     if self._full[p] is None:
-      payload = codec_lib.encode(self._refs[p], "fp32", self.block)
+      # R_v's bytes, in a buffer no earlier answer still being sent holds (reused, see BufferPool).
+      payload = self._answers.take(4 * self.sizes[p]) or bytearray(4 * self.sizes[p])
+      np.copyto(np.frombuffer(payload, "<f4"), self._refs[p])
+      self._answers.adopt(payload)
       self._full[p] = Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
                                 checksum=codec_lib.checksum(payload), epoch=self.epoch)
     return self._full[p]
@@ -102,16 +113,17 @@ class Downlink:
   def renumbered(cls, old: "Downlink", versions: Sequence[int]) -> "Downlink":
     """`old`'s references, epoch and codec, published under new `versions` (a restored syncer raised to
     the versions its previous lifetime published). Its deltas are dropped: they name the old numbers."""
-    out = cls(old.sizes, old.codec, old.block, old._refs, old.epoch)
+    out = cls(old.sizes, old.codec, old.block, old._refs, old.epoch, old.threads)
+    out._refs = old._refs  # the same arrays (`old` is dropped): no second copy of the references
     out._versions = [int(v) for v in versions]
     return out
 
   @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],
-              versions: list[int], epoch: int) -> "Downlink":
+              versions: list[int], epoch: int, threads: int = 1) -> "Downlink":
     """The downlink of a checkpoint, under a new `epoch`. A checkpoint without references (an fp32 downlink
     run) gives R = Theta, which is what its learners were served; deltas of another codec are dropped."""
-    out = cls(sizes, codec, block, fragments, epoch)
+    out = cls(sizes, codec, block, fragments, epoch, threads)
     out._versions = list(versions)
     saved = state["references"]
     if not out.is_delta or saved is None:
