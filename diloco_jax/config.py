@@ -12,11 +12,18 @@ import os
 import pathlib
 
 import ml_collections
+from ml_collections import config_dict
 
 from diloco_jax import mesh as mesh_lib
 from diloco_jax.codec import CODECS
 from diloco_jax.fragments import PLANS
 from diloco_jax.outer import MERGE_RULES
+
+OPTIMIZERS = ("adamw", "sgd")
+BASELINE_ORDERS = ("learner_shards", "shuffled")
+# The fields of `train` that make the inner optimizer; `learners.inner` may override each for the learners.
+INNER_FIELDS = {"optimizer": str, "lr": float, "warmup_steps": int, "min_lr_ratio": float,
+                "weight_decay": float, "b1": float, "b2": float, "eps": float, "grad_clip": float}
 
 
 class ConfigError(ValueError):
@@ -52,20 +59,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.05  # of files, held out for eval (file-level split)
   c.data.eval_batches = 4
   c.data.max_bytes = 0  # cap on corpus bytes read (0 = no cap); keeps tests fast
+  # The baseline's batch at step s: "learner_shards" = the M learners' batches of step s side by side (both
+  # runs train on the same tokens in the same order); "shuffled" = one shuffle of all windows.
+  c.data.baseline_order = "learner_shards"
 
   c.train = ml_collections.ConfigDict()  # the inner optimizer and the loop
   c.train.steps = 100
+  c.train.optimizer = "adamw"  # "sgd": plain SGD with the same schedule and decay (pins identities in tests)
   c.train.lr = 3e-3
   c.train.warmup_steps = 10
   c.train.min_lr_ratio = 0.1
   c.train.weight_decay = 0.1
   c.train.b1 = 0.9
   c.train.b2 = 0.95
-  c.train.grad_clip = 1.0
+  c.train.eps = 1e-8
+  c.train.grad_clip = 1.0  # global-norm clipping threshold; 0 = off
   c.train.log_every = 10
   c.train.eval_every = 50
   c.train.checkpoint_every = 0  # 0 = only at the end
   c.train.keep_checkpoints = 2
+  # Each inner step takes at least this long (the loop sleeps the rest): emulates an accelerator of a fixed
+  # speed, so that on a shared CPU a stopped or dead learner does not speed up the others (chaos and
+  # goodput measurements). 0 = as fast as the devices go.
+  c.train.min_step_s = 0.0
 
   c.mesh = ml_collections.ConfigDict()  # axis sizes of one learner's mesh (or the baseline's); one -1 fill
   c.mesh.data = -1
@@ -78,6 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
   # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
   c.learners.peer_timeout_s = 60.0
+  # The learners' inner optimizer: each field of `train` listed in INNER_FIELDS; None = the rule of
+  # `learner_train()` applied to `train` and M.
+  c.learners.inner = ml_collections.ConfigDict({k: config_dict.placeholder(t) for k, t in INNER_FIELDS.items()})
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -102,16 +121,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
   c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
+  # A learner whose inner-step counter has not moved for this long (plus one of its steps), unless it
+  # waits on the syncer, stops counting toward quorums until it moves again. 0 = outer.max_grace_s (at
+  # least 0.5 s): a stopped learner is waited for no longer than a straggler. Heartbeats go out every
+  # third of it (at most every second, at least four per lease).
+  c.outer.stall_s = 0.0
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
   c.comms.unreachable_deadline_s = 300.0  # keep retrying an unreachable syncer this long, then fail
   c.comms.backoff_s = 0.1  # first retry delay; doubles up to max_backoff_s
-  c.comms.max_backoff_s = 5.0
+  c.comms.max_backoff_s = 2.0  # bounds how long after a syncer restart a learner reaches it
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
   c.comms.shutdown_grace_s = 30.0  # after SIGTERM/SIGINT the final flush gets this long, then it is abandoned
+  c.comms.cutoff_file = ""  # chaos testing: the link is down while this file exists ({learner}: the id)
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -180,12 +205,16 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   t = c.train
   if t.steps < 1:
     _fail("train.steps", f"must be >= 1, got {t.steps}")
-  if t.lr <= 0:
-    _fail("train.lr", f"must be > 0, got {t.lr}")
-  if not 0 <= t.warmup_steps <= t.steps:
-    _fail("train.warmup_steps", f"must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
+  if t.min_step_s < 0:
+    _fail("train.min_step_s", f"must be >= 0, got {t.min_step_s}")
   if t.log_every < 1 or t.eval_every < 1:
     _fail("train.log_every" if t.log_every < 1 else "train.eval_every", "must be >= 1")
+  _validate_inner(t, t.steps, lambda f: f"train.{f}")
+  if d.baseline_order not in BASELINE_ORDERS:
+    _fail("data.baseline_order", f"must be one of {BASELINE_ORDERS}, got {d.baseline_order!r}")
+  if d.baseline_order == "learner_shards" and c.learners.num >= 1 and d.global_batch % c.learners.num:
+    _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num}) "
+          "for data.baseline_order='learner_shards' (or set it to 'shuffled')")
   axes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
   fills = [k for k, v in axes.items() if v == -1]
   if len(fills) > 1:
@@ -221,12 +250,19 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
+    if o.stall_s < 0:
+      _fail("outer.stall_s", f"must be >= 0 (0 = outer.max_grace_s), got {o.stall_s}")
+    if o.lease_s <= 0:
+      _fail("outer.lease_s", f"must be > 0, got {o.lease_s}")
     if o.max_in_flight < 0:
       _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if c.learners.devices < 1:
       _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+    inner = c.learners.inner
+    _validate_inner(learner_train(c), t.steps,
+                    lambda f: f"learners.inner.{f}" if inner[f] is not None else f"train.{f} (via learners.inner)")
     if not o.max_norm_ratio >= 0:
       _fail("outer.max_norm_ratio", f"must be >= 0 (0 = off), got {o.max_norm_ratio}")
     if not c.comms.shutdown_grace_s >= 0:
@@ -251,6 +287,49 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     if per_mesh_batch % batch_ways:
       _fail("data.global_batch", f"per-mesh batch {per_mesh_batch} does not divide over the "
             f"data*fsdp axes ({batch_ways} ways)")
+
+
+def _validate_inner(t, steps: int, name) -> None:
+  """Checks the inner-optimizer fields of `t` (a train section); `name(field)` is the field to blame."""
+  if t.optimizer not in OPTIMIZERS:
+    _fail(name("optimizer"), f"must be one of {OPTIMIZERS}, got {t.optimizer!r}")
+  if not t.lr > 0:
+    _fail(name("lr"), f"must be > 0, got {t.lr}")
+  if not 0 <= t.warmup_steps <= steps:
+    _fail(name("warmup_steps"), f"must be in [0, train.steps={steps}], got {t.warmup_steps}")
+  for f in ("b1", "b2"):
+    if not 0.0 <= t[f] < 1.0:
+      _fail(name(f), f"must be in [0, 1), got {t[f]}")
+  if not 0.0 <= t.min_lr_ratio <= 1.0:
+    _fail(name("min_lr_ratio"), f"must be in [0, 1], got {t.min_lr_ratio}")
+  for f in ("weight_decay", "eps", "grad_clip"):
+    if not t[f] >= 0:
+      _fail(name(f), f"must be >= 0, got {t[f]}")
+
+
+def learner_train(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The learners' `train` section: `train` with the learner rule applied and `learners.inner` on top.
+
+  Every field of `learners.inner` that is not None replaces the matching `train` field as it is.
+  """
+  t = ml_collections.ConfigDict(c.train.to_dict())
+  for field, value in c.learners.inner.items():
+    if value is not None:
+      t[field] = value
+  return t
+
+
+def stall_bound_s(config) -> float:
+  """`outer.stall_s`, or with 0 (the default) the grace window's cap `outer.max_grace_s` (at least 0.5 s):
+  a stopped learner is waited for no longer than a straggler would be."""
+  o = config.outer
+  return float(o.stall_s) if o.stall_s > 0 else max(float(o.max_grace_s), 0.5)
+
+
+def heartbeat_interval_s(config) -> float:
+  """How often a learner heartbeats: a third of the stall bound (so that a learner making progress is
+  never taken for a stopped one), at most every second and at least four times per lease."""
+  return max(min(1.0, float(config.outer.lease_s) / 4, stall_bound_s(config) / 3), 0.02)
 
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.

@@ -342,8 +342,10 @@ class Launcher:
     for i in range(self.config.learners.num):
       self.start_learner(i)
 
-  def start_learner(self, i: int) -> list[Child]:
-    """Starts learner i: one process, or `hosts_per_learner` processes joined by jax.distributed."""
+  def start_learner(self, i: int, add: bool = True) -> list[Child]:
+    """Starts (or restarts: same id, same workdir, so it resumes from its checkpoint) learner i: one
+    process, or `hosts_per_learner` processes joined by jax.distributed; `add`: append them to `learners`
+    (a restart replaces the old ones itself)."""
     h = self.hosts_per_learner
     ldir = self.workdir / f"learner_{i}"
     argv = self._command("learner", "--syncer", self.target, "--learner-id", str(i),
@@ -357,7 +359,8 @@ class Launcher:
                         argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
                         child_env(self.config.learners.devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
                   for p in range(h)]
-    self.learners.extend(children)
+    if add:
+      self.learners.extend(children)
     return children
 
   def start_evaluator(self) -> None:

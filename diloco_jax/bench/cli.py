@@ -7,6 +7,7 @@
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
   syncer     parameters the syncer absorbs per second (merge, outer step, downlink) against memory speed
   multihost  a learner spanning several processes against one process on the same devices
+  chaos      goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator
 
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 """
@@ -14,7 +15,7 @@ Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 from diloco_jax import subcommands
 
 BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan",
-                                                             "syncer", "multihost")}
+                                                             "syncer", "multihost", "chaos")}
 
 
 def main(argv) -> int:

@@ -4,18 +4,21 @@
         --bind 127.0.0.1:50051 --token-file secrets/run.token --run-id r1
 
 It builds the core from the config (`syncer/build.py`: the global fragments start from the learners'
-initial parameters), resumes from the latest checkpoint in `--workdir`, serves it over gRPC (`syncer/service.py`,
-with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time (`syncer/ticker.py`), and
-checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown (SIGTERM/SIGINT: calls in
-flight get `syncer.shutdown_grace_s`, then a final checkpoint is written and waited for). The bound port is
-written to `WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to
-`WORKDIR/config.json` (fingerprint beside it), and the syncer's metrics over time (`syncer/monitor.py`) to
-`WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`.
+initial parameters), resumes from the latest checkpoint in `--workdir` and from its journal
+(`WORKDIR/journal.json`: versions never go backwards, event counters go on), serves it over gRPC
+(`syncer/service.py`, with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time
+(`syncer/ticker.py`), and checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown
+(SIGTERM/SIGINT: calls in flight get `syncer.shutdown_grace_s`, the open rounds are closed with what they
+hold, then a final checkpoint is written and waited for). The bound port is written to
+`WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to `WORKDIR/config.json`
+(fingerprint beside it), every new version to `WORKDIR/versions.jsonl`, and the syncer's metrics over
+time (`syncer/monitor.py`) to `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`. Recovery
+protocol: docs/operations.md.
 
 A sharded syncer is S of these processes, `--shard I --shards S` (I = 0..S-1), each with its own
 `--workdir` and port: shard I owns the fragments `placement.assign_shards` gives it (from the config's
-fragment plan, the same map every learner computes), and holds state, checkpoints and epochs only for
-them. Learners list every shard's address, in shard order: `learner --syncer HOST0:PORT0,HOST1:PORT1`.
+fragment plan, the same map every learner computes), and holds state, checkpoints, journal and epochs only
+for them. Learners list every shard's address, in shard order: `learner --syncer HOST0:PORT0,HOST1:PORT1`.
 """
 
 from __future__ import annotations
@@ -134,10 +137,24 @@ def main(argv) -> int:
   s = config.syncer
   core, fingerprint = build_core(config, fv["run-id"].value, shard=shard, shards=shards)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
+  journal = checkpoint.Journal(workdir / "journal.json", timeline=workdir / "versions.jsonl")
+  record = None
   if fv.resume:
     info = checkpoint.restore_core(ckpt, core)
     if info:
       print(f"syncer: resumed from checkpoint step {info['step']} ({info['rounds']} rounds)", flush=True)
+    record = journal.read()
+  restored_versions = list(core.status()["versions"])
+  try:
+    core.attach_journal(journal, record)
+  except ValueError as e:
+    raise cli.UsageError(f"syncer: {e} (another run's workdir? use --no-resume or a new --workdir)") from None
+  if record is not None:
+    counters = core.counters
+    print(f"syncer: restart {counters['restarts']} (epoch {core.epoch}): versions {core.status()['versions']} "
+          f"(checkpoint {restored_versions}, journal {record['versions']}); lost to crashes so far: "
+          f"{counters['rounds_rolled_back']} rounds, {counters['contributions_lost_open']} open-round "
+          "contributions (the learners push that work again)", flush=True)
 
   stop = threading.Event()
   received = []
@@ -168,10 +185,14 @@ def main(argv) -> int:
   print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
   handle.stop(grace=float(s.shutdown_grace_s))
   ticker.stop()
+  closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
+  if closed:
+    print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
   monitor.stop()
   metrics_log.close()
   step = periodic.stop()
   ckpt.close()
+  journal.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",
         flush=True)
   return 0

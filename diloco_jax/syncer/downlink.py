@@ -110,6 +110,15 @@ class Downlink:
     }
 
   @classmethod
+  def renumbered(cls, old: "Downlink", versions: Sequence[int]) -> "Downlink":
+    """`old`'s references, epoch and codec, published under new `versions` (a restored syncer raised to
+    the versions its previous lifetime published). Its deltas are dropped: they name the old numbers."""
+    out = cls(old.sizes, old.codec, old.block, old._refs, old.epoch, old.threads)
+    out._refs = old._refs  # the same arrays (`old` is dropped): no second copy of the references
+    out._versions = [int(v) for v in versions]
+    return out
+
+  @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],
               versions: list[int], epoch: int, threads: int = 1) -> "Downlink":
     """The downlink of a checkpoint, under a new `epoch`. A checkpoint without references (an fp32 downlink
