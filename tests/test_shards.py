@@ -15,6 +15,7 @@ from configs import tiny_cpu
 from diloco_jax import export
 from diloco_jax import launch_local
 from diloco_jax import placement
+from diloco_jax import protocol
 from diloco_jax.protocol import Rejected
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
@@ -158,6 +159,53 @@ def test_a_stuck_shard_does_not_hold_up_the_other_shards_heartbeats():
   finally:
     release.set()
     t.close()
+
+
+def test_one_shard_restart_is_one_epoch_change_whose_history_speaks_per_fragment(tmp_path):
+  # Shard 0 owns fragments 2 and 3, shard 1 fragments 0 and 1 (see the placement test).
+  cores, _ = _cores(2)
+  owners = placement.shard_of(SIZES, 2)
+  t = ShardedTransport([InProcessTransport(c) for c in cores], owners)
+  joined = t.join(0, helpers.FP)
+  e0 = joined.epoch
+  assert e0 and t.heartbeat(0, 0.5) == e0 and [r.epoch for r in joined.history] == [e0]
+  receipts = {}
+  for version in (0, 1):  # two rounds of every fragment (learner 0 alone: each push merges at once)
+    for p, n in enumerate(SIZES):
+      receipts[p, version] = t.push(helpers.make_push(0, np.full(n, 0.01), core=cores[owners[p]], fragment=p,
+                                                      base_version=version, base_epoch=e0))
+      assert receipts[p, version].epoch == e0
+  published = t.pull(1, 2, have_version=1, have_epoch=e0)
+  assert published.epoch == e0 and published.kind == "delta"  # the shard's own epoch was sent back to it
+  # Shard 1 is checkpointed after the first round of its fragments... then merges the second, and
+  # restarts from that checkpoint with a new epoch.
+  state = cores[1].state_dict()
+  state["versions"], state["rounds"] = [1, 1, 0, 0], [1, 1, 0, 0]
+  restarted, _ = _cores(2)
+  restarted[1].load_state_dict(state)
+  t.shards[1] = InProcessTransport(restarted[1])
+  e1 = t.heartbeat(0, 0.5)  # the restarted shard forgot the learner: joined again, a new combined epoch
+  assert e1 not in (0, e0) and restarted[1].live_learners() == [0]
+  joined = t.join(0, helpers.FP)
+  assert joined.epoch == e1 and [r.epoch for r in joined.history] == [e0, e1]
+  history = joined.history
+  # Shard 0 did not restart: its fragments' rounds of e0 are all held, its versions keep their numbers.
+  for p in (2, 3):
+    assert protocol.merged_for_good(history, e0, receipts[p, 1].round, p)
+    assert protocol.current_version(history, e0, 2, p) == 2
+  # Shard 1 restored round 1 of 2: the second round of e0 is lost, version 1 is still held.
+  for p in (0, 1):
+    assert protocol.merged_for_good(history, e0, receipts[p, 0].round, p)
+    assert not protocol.merged_for_good(history, e0, receipts[p, 1].round, p)
+    assert protocol.current_version(history, e0, 1, p) is not None
+    assert protocol.current_version(history, e0, 2, p) is None
+  # Epochs sent back are translated: a push based on e1 reaches shard 1 under its own new epoch.
+  receipt = t.push(helpers.make_push(0, np.full(40, 0.01), core=restarted[1], fragment=0,
+                                     base_version=joined[0], base_epoch=e1))
+  assert receipt.epoch == e1
+  with pytest.raises(Rejected) as e:  # a push still based on the old epoch: refused, the learner recovers
+    t.push(helpers.make_push(0, np.full(40, 0.01), core=restarted[1], fragment=0, base_version=1, base_epoch=e0))
+  assert e.value.reason == "epoch"
 
 
 def test_parse_targets_and_combine_status():
