@@ -32,6 +32,10 @@ def _averaging_every_step(c, optimizer: str):
   c.outer.lr, c.outer.momentum = 1.0, 0.0
   c.outer.codec = c.outer.downlink_codec = "fp32"
   c.outer.min_quorum = 0
+  # Every round must hold all M learners: a learner compiling or evaluating makes no progress for longer
+  # than the default stall bound, and the round would close without it (right for a run, not for an
+  # identity of the arithmetic).
+  c.outer.stall_s = 600.0
   return c
 
 

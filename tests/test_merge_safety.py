@@ -126,6 +126,23 @@ def test_outliers_are_refused_against_the_fragment_history():
   assert c.counters["rejected"]["outlier"] == 3 and c.counters["contributions_rejected"] == 3
 
 
+def test_work_of_several_periods_pushed_again_is_bounded_per_period():
+  # After a syncer restart a learner pushes again the work the restored syncer lacks: an outer gradient
+  # over several periods, as large as their sum. It is no outlier; the same norm over one period is.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i, scale in enumerate((1.0, 1.2, 0.9, 1.1)):
+    push(c, i, unit * scale)
+  before = frozen(c)
+  with pytest.raises(Rejected, match="over 10 steps") as e:
+    push(c, 0, unit * 40.0, base_version=1)  # 40 > 10 x 1 period x 1.05
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 40.0, base_version=1, steps=5 * H)  # 40 <= 10 x 5 periods x 1.05
+  with pytest.raises(Rejected, match="5 period") as e:
+    push(c, 1, unit * 60.0, base_version=1, steps=5 * H)  # 60 > 52.5: the bound still holds per period
+  assert e.value.reason == "outlier"
+
+
 def test_shrinking_early_pushes_and_flushes_are_never_outliers():
   # Norms as a run shows them (tiny_cpu, measured): short warm-up pushes, a first full period about 3x
   # larger, then shrinking, ending with half-period flushes.

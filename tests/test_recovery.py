@@ -237,7 +237,8 @@ def test_a_learner_recovers_from_a_restart_without_losing_or_doubling_work(tiny_
     assert learner.stats.steps_taken_back > 0 and learner.stats.rebased >= 1
     assert new.counters["rounds_rolled_back"] > 0
   else:
-    # Nothing was lost; a push made before the learner noticed the restart is refused ("epoch") and its
-    # steps pushed again after the recovery.
+    # Nothing was lost; a push made before the learner noticed the restart is refused ("epoch"), or one
+    # still queued in its comms when the epoch changed is never sent: either way its steps are pushed
+    # again after the recovery, and those are at most the syncs in flight (one period per fragment).
     assert learner.stats.rebased == 0 and new.counters["rounds_rolled_back"] == 0
-    assert learner.stats.steps_taken_back == 0 or new.counters["rejected"]["epoch"] > 0
+    assert learner.stats.steps_taken_back <= c.outer.num_fragments * c.outer.sync_every

@@ -76,7 +76,8 @@ Merge safety (nothing a single push claims or sends can dominate a merge or pois
   tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
   more than an honest learner's full period.
 * Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
-  norm is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
+  norm, times the periods its steps cover (`max(1, steps / sync_every)`: work pushed again after a
+  restart spans several periods), is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
   that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
   accepted (a new run, a restart), the global fragment's own norm (an outer gradient is one period's
   change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
@@ -703,9 +704,13 @@ class SyncerCore:
       p = push.fragment
       if s.max_norm_ratio > 0:
         reference, what = self._norm_reference_locked(p)
-        if not norm <= s.max_norm_ratio * reference:
-          raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} exceeds "
-                             f"outer.max_norm_ratio={s.max_norm_ratio:g} x {reference:.4g}, {what}")
+        # A push of n periods (work a learner pushes again after a syncer restart, or after it was cut
+        # off) may be up to n periods' change; its steps are bounded by the claim check above.
+        periods = max(1.0, push.steps / s.sync_every) if s.sync_every else 1.0
+        if not norm <= s.max_norm_ratio * periods * reference:
+          raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} over {push.steps} "
+                             f"steps exceeds outer.max_norm_ratio={s.max_norm_ratio:g} x {periods:g} "
+                             f"period(s) x {reference:.4g}, {what}")
       # Close whatever is due first: a push after a round's deadline belongs to the next round.
       self._tick_locked()
       now = self.clock()
