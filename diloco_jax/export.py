@@ -147,9 +147,8 @@ def syncer_checkpoint_dir(syncer_workdir: str | pathlib.Path) -> pathlib.Path:
   return nested if nested.is_dir() else workdir
 
 
-def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tuple[Any, dict] | None:
-  """(the global model as host arrays, checkpoint info) from the latest checkpoint of the syncer that ran
-  with `config` and `run_id`; None when there is no checkpoint. Raises ValueError for another run's."""
+def _latest_state(syncer_workdir: str | pathlib.Path) -> tuple[dict, dict] | None:
+  """(state dict, info) of a syncer's latest checkpoint; None when there is none."""
   directory = syncer_checkpoint_dir(syncer_workdir)
   if not directory.is_dir():
     return None
@@ -157,9 +156,39 @@ def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tu
   try:
     if checkpointer.latest_step() is None:
       return None
-    state, info = checkpointer.restore()
+    return checkpointer.restore()
   finally:
     checkpointer.close()
+
+
+def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | pathlib.Path], run_id: str
+                  ) -> tuple[Any, dict] | None:
+  """(the global model as host arrays, checkpoint info) from the latest checkpoint of the syncer that ran
+  with `config` and `run_id`; None when there is no checkpoint. Raises ValueError for another run's.
+
+  A sharded syncer: `syncer_workdirs` lists every shard's workdir (any order); each fragment comes from the
+  shard that owns it, and a fragment no shard's checkpoint holds raises ValueError."""
+  workdirs = [syncer_workdirs] if isinstance(syncer_workdirs, (str, pathlib.Path)) else list(syncer_workdirs)
+  found = [_latest_state(w) for w in workdirs]
+  if any(f is None for f in found):
+    return None
+  first = found[0][0]
+  num = len(first["fragments"])
+  fragments, versions, seen = [None] * num, [0] * num, set()
+  for (state, _), workdir in zip(found, workdirs):
+    if state["fingerprint"] != first["fingerprint"]:
+      raise ValueError(f"the syncer checkpoints in {[str(w) for w in workdirs]} are of different runs")
+    owned = state.get("owned")  # a shard's fragments (None: every fragment, an unsharded syncer)
+    for p in range(num) if owned is None else owned:
+      fragments[p], versions[p] = state["fragments"][p], state["versions"][p]
+      seen.add(p)
+  if len(seen) != num:
+    missing = sorted(set(range(num)) - seen)
+    raise ValueError(f"no checkpoint in {[str(w) for w in workdirs]} holds fragments {missing} (a sharded "
+                     "syncer: give every shard's workdir)")
+  state = {"fingerprint": first["fingerprint"], "fragments": fragments, "versions": versions}
+  infos = [i for _, i in found]
+  info = infos[0] if len(infos) == 1 else {"step": [i["step"] for i in infos], "rounds": sum(i["rounds"] for i in infos)}
   cpu_mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
   _, template = model_lib.abstract_model(config.model, cpu_mesh)
   params = build.global_params_from_state(config, state, run_id, template)
@@ -167,8 +196,8 @@ def syncer_params(config, syncer_workdir: str | pathlib.Path, run_id: str) -> tu
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer)",
-                      flag_values=fv, required=True)
+  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer); "
+                      "a sharded syncer's: every shard's, comma-separated", flag_values=fv, required=True)
   flags.DEFINE_string("run-id", "", "the run's id (the syncer's --run-id; `local` uses 'local', `train` "
                       "'in-process')", flag_values=fv)
   flags.DEFINE_string("out", None, "model directory to write (local or gs://)", flag_values=fv, required=True)
@@ -180,7 +209,7 @@ def main(argv) -> int:
   config = cli.validated(fv.config, None, learners=True, data=False)
   run_id = fv["run-id"].value
   try:
-    found = syncer_params(config, fv["syncer-workdir"].value, run_id)
+    found = syncer_params(config, fv["syncer-workdir"].value.split(","), run_id)
   except ValueError as e:
     raise cli.UsageError(f"--config/--run-id: {e}") from None
   if found is None:

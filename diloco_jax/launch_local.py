@@ -21,6 +21,11 @@ process over gRPC on loopback, exactly as on separate hosts. The launcher:
 
 The resolved config goes to `WORKDIR/config.json` (and every child's workdir), its fingerprint beside it.
 
+With `--syncer-shards S`, the syncer is S processes on consecutive free loopback ports, shard i in
+`WORKDIR/syncer/shard_<i>` owning its fragments (`placement.assign_shards`; docs/architecture.md, "Sharded
+syncer"); learners and the evaluator get every shard's address, the summary reads every shard's status,
+and the final eval and export assemble the global model from every shard's checkpoint.
+
 With `--hosts-per-learner H`, each learner is H processes of `learners.devices / H` fake CPU devices each,
 one learner spanning them through `jax.distributed` (a coordinator on a free loopback port, process 0
 talking to the syncer), as a learner spanning H hosts of a TPU slice; their logs are
@@ -60,6 +65,7 @@ from diloco_jax import outer as outer_lib
 from diloco_jax import plot as plot_lib
 from diloco_jax import protocol
 from diloco_jax.evaluator import loop as eval_loop
+from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc import GrpcTransport
 
 EXIT_FAILED = 1
@@ -81,6 +87,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
   flags.DEFINE_integer("hosts-per-learner", 1, "processes per learner (jax.distributed on loopback), each "
                        "with learners.devices / H fake CPU devices", flag_values=fv)
+  flags.DEFINE_integer("syncer-shards", 1, "syncer processes, each owning some fragments (at most "
+                       "outer.num_fragments)", flag_values=fv, lower_bound=1)
 
 
 def config_args(argv: list[str]) -> list[str]:
@@ -196,6 +204,25 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+  """The first of `n` consecutive TCP ports free on loopback now (for the shards of a syncer)."""
+  for _ in range(100):
+    base = free_port()
+    socks = []
+    try:
+      for port in range(base, base + n):
+        sock = socket.socket()
+        socks.append(sock)
+        sock.bind(("127.0.0.1", port))
+      return base
+    except OSError:
+      continue  # one of them is taken: try another base
+    finally:
+      for sock in socks:
+        sock.close()
+  raise RuntimeError(f"found no {n} consecutive free ports on loopback")
+
+
 def write_token(path: pathlib.Path) -> None:
   """A fresh random run token, readable by this user only (created with mode 600, never widened)."""
   path.unlink(missing_ok=True)
@@ -204,11 +231,12 @@ def write_token(path: pathlib.Path) -> None:
     f.write(secrets.token_hex(32) + "\n")
 
 
-def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str, export_dir: pathlib.Path | None = None
+def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export_dir: pathlib.Path | None = None
                     ) -> float | None:
-  """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices; with
-  `export_dir`, that model is exported there too (`export.py`). None when the syncer left no checkpoint."""
-  found = export_lib.syncer_params(config, syncer_dir, run_id)
+  """Eval loss of the global model in the syncer's latest checkpoint (every shard's), on this process's CPU
+  devices; with `export_dir`, that model is exported there too (`export.py`). None when the syncer left no
+  checkpoint."""
+  found = export_lib.syncer_params(config, syncer_dirs, run_id)
   if found is None:
     return None
   params, info = found
@@ -224,16 +252,16 @@ class Launcher:
   """Starts, watches and stops the children of one local run."""
 
   def __init__(self, config, config_argv: list[str], workdir: pathlib.Path, run_id: str, *,
-               stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1):
+               stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1, syncer_shards: int = 1):
     self.config, self.config_argv, self.workdir, self.run_id = config, config_argv, workdir, run_id
-    self.hosts_per_learner = hosts_per_learner
+    self.hosts_per_learner, self.syncer_shards = hosts_per_learner, syncer_shards
     self.stop_timeout_s, self.start_timeout_s = stop_timeout_s, start_timeout_s
-    self.syncer: Child | None = None
+    self.syncers: list[Child] = []  # one per shard
     self.evaluator: Child | None = None  # an observer: its failure is reported, never fatal
     self._evaluator_reported = False
     self.learners: list[Child] = []
     self.signals: list[int] = []
-    self.port: int | None = None
+    self.ports: list[int] = [0] * syncer_shards  # the shards', in shard order (0: not serving yet)
 
   def _command(self, command: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "diloco_jax", command, *self.config_argv, "--run-id", self.run_id, *args]
@@ -242,31 +270,72 @@ class Launcher:
     del frame
     self.signals.append(signum)
 
-  def start_syncer(self, port: int = 0, wait: bool = True) -> None:
-    """Start the syncer on `port` (0: any free port; a restart passes the port it had) and, with `wait`,
-    wait until it serves (else poll `syncer_serving()`)."""
-    sdir = self.workdir / "syncer"
-    sdir.mkdir(parents=True, exist_ok=True)
-    (sdir / "syncer.port").unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
-    self.syncer = Child("syncer", self._command("syncer", "--workdir", str(sdir), "--bind", f"127.0.0.1:{port}",
-                                                "--token-file", str(self.workdir / "token")),
-                        child_env(1), self.workdir / "logs" / "syncer.log")
+  def syncer_dirs(self) -> list[pathlib.Path]:
+    """The syncer's workdir: one, or one per shard."""
+    if self.syncer_shards == 1:
+      return [self.workdir / "syncer"]
+    return [self.workdir / "syncer" / f"shard_{i}" for i in range(self.syncer_shards)]
+
+  @property
+  def target(self) -> str:
+    """The syncer's address for `--syncer`: every shard's, in shard order."""
+    return ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+  @property
+  def port(self) -> int:
+    """The syncer's port (shard 0's, when sharded)."""
+    return self.ports[0]
+
+  @property
+  def syncer(self) -> Child | None:
+    """The syncer's process (shard 0's, when sharded)."""
+    return self.syncers[0] if self.syncers else None
+
+  def start_syncers(self) -> None:
+    """Starts the syncer (every shard: on consecutive free ports) and waits until every shard serves."""
+    s = self.syncer_shards
+    base = free_ports(s) if s > 1 else 0  # one syncer: any free port, read back from its port file
+    for i in range(s):
+      self.start_syncer(base + i if s > 1 else 0, wait=False, shard=i)
     deadline = time.monotonic() + self.start_timeout_s
-    while wait and not self.signals and not self.syncer_serving():
+    while not self.signals and not all([self.syncer_serving(i) for i in range(s)]):
       if time.monotonic() > deadline:
         raise RuntimeError(f"the syncer wrote no port file in {self.start_timeout_s:.0f}s; see "
-                           f"{self.syncer.log_path}")
+                           f"{', '.join(str(c.log_path) for c in self.syncers)}")
       time.sleep(0.2)
 
-  def syncer_serving(self) -> bool:
-    """Whether the syncer wrote its port file (it serves; `port` is set). Raises ChildFailed if it died."""
-    port_file = self.workdir / "syncer" / "syncer.port"
+  def start_syncer(self, port: int = 0, wait: bool = True, shard: int = 0) -> None:
+    """Start syncer shard `shard` (the syncer, unsharded) on `port` (0: any free port; a restart passes the
+    port it had) and, with `wait`, wait until it serves (else poll `syncer_serving`)."""
+    s = self.syncer_shards
+    sdir = self.syncer_dirs()[shard]
+    sdir.mkdir(parents=True, exist_ok=True)
+    (sdir / "syncer.port").unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
+    flags_ = ["--shard", str(shard), "--shards", str(s)] if s > 1 else []
+    child = Child("syncer" if s == 1 else f"syncer shard {shard}",
+                  self._command("syncer", "--workdir", str(sdir), "--bind", f"127.0.0.1:{port}",
+                                "--token-file", str(self.workdir / "token"), *flags_),
+                  child_env(1), self.workdir / "logs" / ("syncer.log" if s == 1 else f"syncer_{shard}.log"))
+    if shard < len(self.syncers):
+      self.syncers[shard] = child
+    else:
+      self.syncers.append(child)
+    deadline = time.monotonic() + self.start_timeout_s
+    while wait and not self.signals and not self.syncer_serving(shard):
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"the syncer wrote no port file in {self.start_timeout_s:.0f}s; see {child.log_path}")
+      time.sleep(0.2)
+
+  def syncer_serving(self, shard: int = 0) -> bool:
+    """Whether syncer shard `shard` wrote its port file (it serves; `ports` has its port). Raises
+    ChildFailed if it died."""
+    port_file = self.syncer_dirs()[shard] / "syncer.port"
     text = port_file.read_text().strip() if port_file.exists() else ""
     if text.isdigit():
-      self.port = int(text)
+      self.ports[shard] = int(text)
       return True
-    if self.syncer.poll() is not None:
-      raise ChildFailed(self.syncer)
+    if self.syncers[shard].poll() is not None:
+      raise ChildFailed(self.syncers[shard])
     return False
 
   def start_learners(self) -> None:
@@ -279,7 +348,7 @@ class Launcher:
     (a restart replaces the old ones itself)."""
     h = self.hosts_per_learner
     ldir = self.workdir / f"learner_{i}"
-    argv = self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+    argv = self._command("learner", "--syncer", self.target, "--learner-id", str(i),
                          "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
     if h == 1:
       children = [Child(f"learner {i}", argv, child_env(self.config.learners.devices),
@@ -297,7 +366,7 @@ class Launcher:
   def start_evaluator(self) -> None:
     self.evaluator = Child(
         "evaluator",
-        self._command("evaluator", "--syncer", f"127.0.0.1:{self.port}", "--workdir", str(self.workdir / "global"),
+        self._command("evaluator", "--syncer", self.target, "--workdir", str(self.workdir / "global"),
                       "--token-file", str(self.workdir / "token")),
         child_env(self.config.learners.devices), self.workdir / "logs" / "evaluator.log")
 
@@ -321,9 +390,9 @@ class Launcher:
     max_version = 0
     try:
       while not self.signals:
-        for child in [self.syncer, *self.learners]:
+        for child in [*self.syncers, *self.learners]:
           rc = child.poll()
-          if rc is not None and (rc != 0 or child is self.syncer):
+          if rc is not None and (rc != 0 or child in self.syncers):
             raise ChildFailed(child)
         self._check_evaluator()
         progress = [learner_progress(d) for d in dirs]
@@ -346,7 +415,8 @@ class Launcher:
   def syncer_status(self) -> dict | None:
     try:
       token = protocol.read_token(str(self.workdir / "token"))
-      with GrpcTransport(f"127.0.0.1:{self.port}", token, -1, unreachable_deadline_s=10.0) as t:
+      with sharded.connect(self.target.split(","), lambda target: GrpcTransport(
+          target, token, protocol.OBSERVER_ID, unreachable_deadline_s=10.0)) as t:
         return t.status()
     except Exception as e:  # noqa: BLE001 - the summary is still worth writing without it
       print(f"local: could not read the syncer's status: {e}", file=sys.stderr)
@@ -363,10 +433,11 @@ class Launcher:
     if self.evaluator is not None:
       self.evaluator.terminate()
       codes["evaluator"] = self.evaluator.wait(self.stop_timeout_s)
-    if self.syncer is not None:
-      self.syncer.terminate()
-      codes["syncer"] = self.syncer.wait(self.stop_timeout_s)
-    for child in [*self.learners, *[c for c in (self.evaluator, self.syncer) if c is not None]]:
+    for child in self.syncers:
+      child.terminate()
+    for child in self.syncers:
+      codes[child.name] = child.wait(self.stop_timeout_s)
+    for child in [*self.learners, *([self.evaluator] if self.evaluator is not None else []), *self.syncers]:
       child.close()
     return codes
 
@@ -416,6 +487,10 @@ def main(argv) -> int:
     config_argv.append(f"--config.learners.num={fv.learners}")
   cli.validated(config, config.learners.num * config.learners.devices, learners=True)
   hosts = fv["hosts-per-learner"].value
+  shards = fv["syncer-shards"].value
+  if shards > config.outer.num_fragments:
+    raise cli.UsageError(f"--syncer-shards ({shards}) must be at most outer.num_fragments "
+                         f"({config.outer.num_fragments}): a shard owns whole fragments")
   if hosts < 1 or config.learners.devices % hosts:
     raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide config.learners.devices "
                          f"({config.learners.devices})")
@@ -428,7 +503,7 @@ def main(argv) -> int:
   run_id = fv["run-id"].value
   config_lib.save_resolved(config, workdir, run_id)
   launcher = Launcher(config, config_argv, workdir, run_id, stop_timeout_s=fv["stop-timeout-s"].value,
-                      start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts)
+                      start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts, syncer_shards=shards)
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, launcher.on_signal)
   t0 = time.perf_counter()
@@ -437,10 +512,10 @@ def main(argv) -> int:
   print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
         f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:
-    launcher.start_syncer()
+    launcher.start_syncers()
     if not launcher.signals:
-      print(f"local: syncer on 127.0.0.1:{launcher.port} (pid {launcher.syncer.pid})", file=sys.stderr,
-            flush=True)
+      pids = ", ".join(str(c.pid) for c in launcher.syncers)
+      print(f"local: syncer on {launcher.target} (pid {pids})", file=sys.stderr, flush=True)
       if fv.eval:
         launcher.start_evaluator()
       launcher.start_learners()
@@ -465,7 +540,7 @@ def main(argv) -> int:
     summary["global_eval"] = json.loads(evaluator_summary.read_text())
   if fv.eval:
     export_dir = workdir / "model" if fv.export else None
-    summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id, export_dir)
+    summary["final_eval_loss"] = evaluate_global(config, launcher.syncer_dirs(), run_id, export_dir)
     if export_dir is not None and summary["final_eval_loss"] is not None:
       summary["model"] = str(export_dir)
   metrics_lib.write_summary(workdir, summary)

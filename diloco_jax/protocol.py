@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 #   outlier: the outer gradient's norm is far above the fragment's recent ones
 #   key_conflict: an idempotency key seen before, on a different payload
 #   epoch: base_version is numbered by another syncer lifetime (it restarted): the learner recovers first
+#   wrong_shard: the fragment belongs to another shard of a sharded syncer
 REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
            "checksum", "metadata", "nonfinite", "future_version", "learner_id", "overclaim", "outlier",
-           "key_conflict", "epoch")
+           "key_conflict", "epoch", "wrong_shard")
 # Rejections that mean "the syncer forgot this learner" (it restarted, or the lease lapsed): join again.
 REJOIN_REASONS = ("not_member", "unknown_learner")
 

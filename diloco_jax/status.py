@@ -10,6 +10,10 @@ its heartbeats, seconds since its last accepted push, steps merged, lease left),
 (version, the learners in its open round and the grace deadline), and the counters (rounds, merges,
 rejections by reason, bytes, tokens merged). `--watch` redraws every `--interval` seconds until Ctrl-C;
 `--json` prints the raw status instead. The command is an observer: it never joins, so it changes nothing.
+
+A sharded syncer: `--syncer HOST:PORT,HOST:PORT` (every shard, in shard order) shows each shard's tables
+in turn (its learners as that shard sees them, its fragments, its counters); `--json` prints the combined
+status with every shard's under `shards` (`transports/sharded.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import protocol
 from diloco_jax.transports import client_flags
+from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerError, SyncerUnreachable
 
 _CLEAR = "\x1b[H\x1b[2J"
@@ -82,7 +87,10 @@ def format_status(status: dict, target: str = "") -> str:
   out.append("")
   open_rounds = status.get("open_rounds", {})
   rows = []
+  owned = set(status.get("owned", range(len(status["versions"]))))
   for p, version in enumerate(status["versions"]):
+    if p not in owned:
+      continue  # another shard's
     rnd = open_rounds.get(str(p))
     rows.append([p, version, ",".join(str(i) for i in rnd["contributors"]) if rnd else "-",
                  "-" if not rnd or rnd["deadline_in_s"] is None else _seconds(max(rnd["deadline_in_s"], 0.0))])
@@ -96,7 +104,7 @@ def format_status(status: dict, target: str = "") -> str:
                 f"{_seconds(since['grace_wait_s'] / n)}" if n else ""))
   out.append(f"contributions rejected {c['contributions_rejected']}, requests refused by reason "
              + ("(" + ", ".join(f"{r} {n}" for r, n in sorted(rejected.items())) + ")" if rejected else "(none)")
-             + f"  tokens merged {c['tokens_merged'] / max(len(status['versions']), 1):,.0f}"
+             + f"  tokens merged {c['tokens_merged'] / max(len(owned), 1):,.0f}"
              + f"  bytes in {_bytes(c['bytes_in'])}, out {_bytes(c['bytes_out'])}"
              + f"  joins {c['joins']}, leaves {c['leaves']}, leases expired {c['leases_expired']}")
   return "\n".join(out)
@@ -105,14 +113,20 @@ def format_status(status: dict, target: str = "") -> str:
 def main(argv) -> int:
   """`python -m diloco_jax status --syncer HOST:PORT [--watch]`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
-  target, token = client_flags.target(fv), client_flags.token(fv)
+  targets, token = client_flags.targets(fv), client_flags.token(fv)
   redraw = fv.watch and sys.stdout.isatty()
   try:
-    with GrpcTransport(target, token, protocol.OBSERVER_ID, unreachable_deadline_s=fv["timeout-s"].value,
-                       **client_flags.tls(fv)) as transport:
+    with sharded.connect(targets, lambda target: GrpcTransport(
+        target, token, protocol.OBSERVER_ID, unreachable_deadline_s=fv["timeout-s"].value,
+        **client_flags.tls(fv))) as transport:
       while True:
-        status = transport.status()
-        text = json.dumps(status, indent=1, sort_keys=True) if fv.json else format_status(status, target)
+        if fv.json:
+          text = json.dumps(transport.status(), indent=1, sort_keys=True)
+        elif len(targets) == 1:
+          text = format_status(transport.status(), targets[0])
+        else:
+          text = "\n\n".join(format_status(s, f"shard {i}/{len(targets)} {target}")
+                              for i, (s, target) in enumerate(zip(transport.shard_statuses(), targets)))
         print((_CLEAR if redraw else "") + text + ("\n" if fv.watch and not redraw else ""), flush=True)
         if not fv.watch:
           return 0

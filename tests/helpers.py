@@ -124,7 +124,8 @@ class ProcessRun:
     self.token_file.write_text(PROCESS_TOKEN + "\n")
     self.token_file.chmod(0o600)
     self.procs: dict[str, subprocess.Popen] = {}
-    self.port = None
+    self.port = None  # the syncer's (shard 0's, when sharded)
+    self.ports: dict[int, int] = {}  # shard -> port
 
   def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
     log = open(self.tmp / "logs" / f"{name}.log", "ab")
@@ -134,21 +135,32 @@ class ProcessRun:
     self.procs[name] = proc
     return proc
 
-  def syncer(self, bind: str = "127.0.0.1:0") -> subprocess.Popen:
-    port_file = self.tmp / "syncer" / "syncer.port"
+  def syncer(self, bind: str = "127.0.0.1:0", shard: int = 0, shards: int = 1) -> subprocess.Popen:
+    """The syncer in tmp/syncer (log `syncer`), or shard `shard` of `shards` in tmp/syncer/shard_<i> (log
+    `syncer_<i>`)."""
+    workdir = self.tmp / "syncer" if shards == 1 else self.tmp / "syncer" / f"shard_{shard}"
+    name = "syncer" if shards == 1 else f"syncer_{shard}"
+    port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
-    proc = self.spawn("syncer", ["syncer", *self.config_argv, "--workdir", str(self.tmp / "syncer"),
-                                 "--bind", bind, "--token-file", str(self.token_file)])
+    extra = ["--shard", str(shard), "--shards", str(shards)] if shards > 1 else []
+    proc = self.spawn(name, ["syncer", *self.config_argv, "--workdir", str(workdir), "--bind", bind,
+                             "--token-file", str(self.token_file), *extra])
     wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit() or proc.poll() is not None,
              "syncer port file", PROCESS_TIMEOUT_S)
-    assert proc.poll() is None, self.log("syncer")
-    self.port = int(port_file.read_text())
+    assert proc.poll() is None, self.log(name)
+    self.ports[shard] = int(port_file.read_text())
+    self.port = self.ports.get(0)
     return proc
+
+  @property
+  def target(self) -> str:
+    """`--syncer`: every shard's address, in shard order."""
+    return ",".join(f"127.0.0.1:{self.ports[s]}" for s in sorted(self.ports))
 
   def learner(self, i: int, devices: int = 1, extra: Sequence[str] = (), name: str | None = None
               ) -> subprocess.Popen:
     return self.spawn(name or f"learner_{i}",
-                      ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                      ["learner", *self.config_argv, "--syncer", self.target, "--learner-id", str(i),
                        "--workdir", str(self.tmp / f"learner_{i}"), "--token-file", str(self.token_file), *extra],
                       devices=devices)
 
@@ -161,12 +173,14 @@ class ProcessRun:
 
   def evaluator(self) -> subprocess.Popen:
     """The global model's evaluator process, in tmp/global."""
-    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", self.target,
                                     "--workdir", str(self.tmp / "global"), "--token-file", str(self.token_file),
                                     "--poll-s", "0.2"])
 
-  def status(self) -> dict:
-    with GrpcTransport(f"127.0.0.1:{self.port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:
+  def status(self, shard: int | None = None) -> dict:
+    """The syncer's status (of shard `shard`, when sharded)."""
+    port = self.port if shard is None else self.ports[shard]
+    with GrpcTransport(f"127.0.0.1:{port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:
       return t.status()
 
   def log(self, name: str) -> str:

@@ -3,6 +3,9 @@
     python -m diloco_jax evaluator --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 \\
         --workdir runs/r/global --token-file run.token --run-id r1
 
+With a sharded syncer, `--syncer` lists every shard (`HOST:PORT,HOST:PORT`, in shard order): the status is
+every shard's, combined, and each fragment is pulled from its shard (`transports/sharded.py`).
+
 An observer of the syncer (`evaluator/loop.py`): it asks for the syncer's status and pulls the global
 fragments like a learner that never pushes, without joining (`protocol.OBSERVER_ID`), so it is no member
 and never counts toward a quorum. It evaluates the global model on the run's shared eval set every
@@ -30,9 +33,11 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
+from diloco_jax import placement
 from diloco_jax import protocol
 from diloco_jax.evaluator import loop
 from diloco_jax.transports import client_flags
+from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
 EXIT_FAILED = 1
@@ -46,24 +51,30 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("poll-s", 1.0, "seconds between two looks at the syncer's progress", flag_values=fv)
 
 
-def run(config, *, target: str, workdir: str, token: str, run_id: str = "", tls: dict | None = None,
+def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "", tls: dict | None = None,
         poll_s: float = 1.0, stop: threading.Event | None = None, quiet: bool = False) -> dict:
-  """Evaluate the global model of the syncer at `target` on schedule until `stop` is set; then once more
-  if it moved. Returns the summary (also `<workdir>/summary.json`)."""
+  """Evaluate the global model of the syncer at `targets` (one address per shard) on schedule until `stop` is
+  set; then once more if it moved. Returns the summary (also `<workdir>/summary.json`)."""
   stop = stop or threading.Event()
   devices = cli.devices(config.learners.devices, "evaluator")[:config.learners.devices]
   config_lib.save_resolved(config, workdir, run_id)
   global_eval = loop.GlobalEval(config, devices)
   plan = global_eval.plan
-  transport = GrpcTransport.from_config(config, target, token, protocol.OBSERVER_ID, **(tls or {}))
-  transport.fingerprint = config_lib.fingerprint(config, run_id)
+  fingerprint = config_lib.fingerprint(config, run_id)
+
+  def connect(target: str) -> GrpcTransport:
+    transport = GrpcTransport.from_config(config, target, token, protocol.OBSERVER_ID, **(tls or {}))
+    transport.fingerprint = fingerprint  # an observer never joins: its pulls carry the run's fingerprint
+    return transport
+
+  transport = sharded.connect(targets, connect, lambda shards: placement.config_owners(config, shards))
   metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.GLOBAL_EVAL_TAGS)
   source = loop.TransportSource(transport, [plan.size(p) for p in range(plan.num_fragments)],
                                 config.outer.codec_block)
   evaluator = loop.GlobalEvaluator(global_eval, source, loop.EvalSchedule.from_config(config), metrics_log,
                                    poll_s=poll_s)
   if not quiet:
-    print(f"evaluator: {len(devices)} {devices[0].platform} device(s), syncer {target}, every "
+    print(f"evaluator: {len(devices)} {devices[0].platform} device(s), syncer {','.join(targets)}, every "
           f"{config.train.eval_every} steps of progress", file=sys.stderr, flush=True)
   evals = 0
   try:
@@ -101,7 +112,7 @@ def main(argv) -> int:
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   config = cli.validated(fv.config, None, learners=True)
-  target, token = client_flags.target(fv), client_flags.token(fv)
+  targets, token = client_flags.targets(fv), client_flags.token(fv)
   stop = threading.Event()
 
   def on_signal(signum, frame):
@@ -114,7 +125,7 @@ def main(argv) -> int:
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
   try:
-    run(config, target=target, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
+    run(config, targets=targets, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
         tls=client_flags.tls(fv), poll_s=fv["poll-s"].value, stop=stop)
   except (SyncerUnreachable, AuthError, protocol.Rejected) as e:
     print(f"evaluator: {e}", file=sys.stderr, flush=True)

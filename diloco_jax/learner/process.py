@@ -10,7 +10,10 @@
 The process trains on its own devices (the first `learners.devices` of `jax.devices()`: locally fake CPU
 devices, whose count must be set with XLA_FLAGS before jax starts, as `python -m diloco_jax local` does; on
 a TPU VM the host's chips). It reaches the syncer through `GrpcTransport`, which retries while the syncer
-is unreachable, so learners may start before the syncer, and survive its restart.
+is unreachable, so learners may start before the syncer, and survive its restart. A sharded syncer is
+named by every shard's address, in shard order (`--syncer HOST:PORT,HOST:PORT`): the learner then talks to
+each through its own `GrpcTransport`, under `transports/sharded.py` (fragments to their shard, membership
+to all).
 
 * The run token comes from `--token-file` or $DILOCO_TOKEN, never from the command line.
 * The config (with its `--config.x=y` overrides) and `--run-id` must be the syncer's: both enter the run
@@ -58,9 +61,11 @@ from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import multihost
+from diloco_jax import placement
 from diloco_jax import protocol
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
 EXIT_FAILED = 1
@@ -124,7 +129,8 @@ class ShutdownWatchdog:
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer", None, "host:port of the syncer", flag_values=fv, required=True)
+  flags.DEFINE_string("syncer", None, "host:port of the syncer (a sharded syncer: one per shard, comma-separated, "
+                      "in shard order)", flag_values=fv, required=True)
   flags.DEFINE_integer("learner-id", None, "this learner's id, in [0, learners.num)", flag_values=fv,
                        required=True)
   flags.DEFINE_string("workdir", None, "this learner's directory (checkpoints, metrics, summary.json)",
@@ -144,11 +150,11 @@ def _define_flags(fv: flags.FlagValues) -> None:
   multihost.define_flags(fv)
 
 
-def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_id: str = "",
+def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str, run_id: str = "",
         num_devices: int | None = None, tls: dict | None = None, quiet: bool = False,
         checkpoint_dir: str | None = None) -> dict:
-  """Train one learner against the syncer at `target` until `train.steps` or a signal; returns the
-  summary (also written to `<workdir>/summary.json`)."""
+  """Train one learner against the syncer at `targets` (one address per shard) until `train.steps` or a
+  signal; returns the summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
   k = num_devices or config.learners.devices
   devices = jax.devices()
@@ -161,7 +167,11 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   watch, channel, exit_hooks = _start_group(config, k, devices)
   leader = jax.process_index() == 0  # process 0 of a multi-host learner, or a one-process learner
   quiet = quiet or not leader
-  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})) if leader else None
+  transport = None
+  if leader:
+    transport = sharded.connect(
+        targets, lambda target: GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})),
+        lambda shards: placement.config_owners(config, shards))
   built = []  # the learner, once built: its comms leave (heartbeats stop first, so none rejoins it)
   if channel is not None and leader:
     # A learner out of the run leaves its quorum.
@@ -178,7 +188,7 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   start_step = learner.trainer.step
   if not quiet:
     spans = f" over {jax.process_count()} processes" if channel is not None else ""
-    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {target}, fingerprint "
+    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
   bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
@@ -269,9 +279,10 @@ def main(argv) -> int:
   if not 0 <= learner_id < config.learners.num:
     raise cli.UsageError(f"--learner-id must be in [0, config.learners.num={config.learners.num}), "
                          f"got {learner_id}")
-  host, _, port = fv.syncer.rpartition(":")
-  if not host or not port.isdigit():
-    raise cli.UsageError(f"--syncer must be host:port, got {fv.syncer!r}")
+  try:
+    targets = sharded.parse_targets(fv.syncer)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
   k = fv.devices or config.learners.devices
   if fv.devices:
     config.learners.devices = k
@@ -290,7 +301,7 @@ def main(argv) -> int:
   tls = {"tls_ca": fv["tls-ca"].value, "tls_cert": fv["tls-cert"].value, "tls_key": fv["tls-key"].value,
          "tls_server_name": fv["tls-server-name"].value}
   try:
-    run(config, target=fv.syncer, learner_id=learner_id, workdir=fv.workdir, token=token,
+    run(config, targets=targets, learner_id=learner_id, workdir=fv.workdir, token=token,
         run_id=fv["run-id"].value, num_devices=k, tls=tls, checkpoint_dir=fv["checkpoint-dir"].value)
   except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)

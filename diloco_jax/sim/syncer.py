@@ -8,9 +8,9 @@ pushes an open round buffers as they arrived); a syncer process owning a set of 
 estimate `sizing.syncer_memory` of that set (its process, the open rounds of its M learners, the copies
 while a checkpoint is written). A shard is one such process on its own host.
 
-Shards. The syncer runs today as one process (one shard). A sharded syncer would give each of S shards a
-set of whole fragments balanced by bytes (`assign_shards`: largest first, each to the shard holding the
-fewest bytes so far); nothing here claims the runtime does so.
+Shards. A sharded syncer (`syncer --shard I --shards S`) gives each of S shards a set of whole fragments
+balanced by size (`placement.assign_shards`: largest first, each to the shard holding the fewest so far);
+the sizing balances the bytes a fragment keeps resident with the same function.
 
 Ingest. Each of M learners pushes every fragment once per outer period of H inner steps (a fragment every
 H / P steps), so the syncer absorbs M x (the parameters of its fragments) per H x step seconds
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from diloco_jax import chunked
+from diloco_jax.placement import assign_shards
 from diloco_jax.sim import sizing
 
 # `bench syncer`, fused path, 1 thread, parameters absorbed per second per core for M = 4 int4 pushes of a
@@ -51,20 +52,6 @@ def merge_threads(config_threads: int, cores: int) -> int:
 def host_bytes_needed(peak_bytes: int) -> int:
   """The host memory a syncer process of peak estimate `peak_bytes` needs (create.sh's rule)."""
   return int(peak_bytes * HEADROOM) + OS_BYTES
-
-
-def assign_shards(weights, shards: int) -> list[list[int]]:
-  """Fragment indices per shard, balanced by `weights` (bytes): largest first, each to the lightest shard
-  so far (ties: the lower index). Every shard gets at least one fragment; needs 1 <= shards <= fragments."""
-  if not 1 <= shards <= len(weights):
-    raise ValueError(f"shards must be in [1, {len(weights)}] (whole fragments per shard), got {shards}")
-  owned: list[list[int]] = [[] for _ in range(shards)]
-  load = [0] * shards
-  for p in sorted(range(len(weights)), key=lambda p: (-weights[p], p)):
-    s = min(range(shards), key=lambda s: (load[s], s))
-    owned[s].append(p)
-    load[s] += weights[p]
-  return [sorted(ps) for ps in owned]
 
 
 def ingest_rate(params: int, learners: int, sync_every: int, step_s: float) -> float:

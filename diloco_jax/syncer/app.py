@@ -14,6 +14,11 @@ hold, then a final checkpoint is written and waited for). The bound port is writ
 (fingerprint beside it), every new version to `WORKDIR/versions.jsonl`, and the syncer's metrics over
 time (`syncer/monitor.py`) to `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`. Recovery
 protocol: docs/operations.md.
+
+A sharded syncer is S of these processes, `--shard I --shards S` (I = 0..S-1), each with its own
+`--workdir` and port: shard I owns the fragments `placement.assign_shards` gives it (from the config's
+fragment plan, the same map every learner computes), and holds state, checkpoints, journal and epochs only
+for them. Learners list every shard's address, in shard order: `learner --syncer HOST0:PORT0,HOST1:PORT1`.
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
                        flag_values=fv)
   flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
+  flags.DEFINE_integer("shard", 0, "this process's shard of a sharded syncer, in [0, --shards)", flag_values=fv)
+  flags.DEFINE_integer("shards", 1, "syncer shards of the run (each a process owning some fragments)",
+                       flag_values=fv)
 
 
 def _tls_from_flags(fv) -> TlsConfig | None:
@@ -118,12 +126,16 @@ def main(argv) -> int:
     check_bind(fv.bind, allow_remote=fv["allow-remote"].value, tls=tls)
   except (OSError, ValueError) as e:
     raise cli.UsageError(f"syncer: {e}") from None
+  shard, shards = fv.shard, fv.shards
+  if not 0 <= shard < shards or shards > config.outer.num_fragments:
+    raise cli.UsageError(f"syncer: --shard ({shard}) must be in [0, --shards) and --shards ({shards}) in "
+                         f"[1, outer.num_fragments={config.outer.num_fragments}]")
 
   workdir = pathlib.Path(fv.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   config_lib.save_resolved(config, workdir, fv["run-id"].value)
   s = config.syncer
-  core, fingerprint = build_core(config, fv["run-id"].value)
+  core, fingerprint = build_core(config, fv["run-id"].value, shard=shard, shards=shards)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
   journal = checkpoint.Journal(workdir / "journal.json", timeline=workdir / "versions.jsonl")
   record = None
@@ -165,7 +177,8 @@ def main(argv) -> int:
   monitor = SyncerMonitor(core, metrics_log)
   host = fv.bind.rsplit(":", 1)[0]
   (workdir / "syncer.port").write_text(f"{handle.port}\n")
-  print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
+  owned = f"shard {shard}/{shards}, fragments {core.status()['owned']}; " if shards > 1 else ""
+  print(f"syncer: serving {host}:{handle.port} {owned}fingerprint {fingerprint} "
         f"({'TLS' if tls else 'plaintext'}); workdir {workdir}", flush=True)
   while not stop.wait(1.0):
     pass

@@ -11,6 +11,7 @@ from typing import Any
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import model
+from diloco_jax import placement
 from diloco_jax.syncer.core import SyncerCore, SyncerSettings
 
 
@@ -20,14 +21,24 @@ def fragment_plan(config, params: Any) -> fragments.FragmentPlan:
   return fragments.make_plan(params, o.num_fragments, o.sync_every, o.fragment_plan)
 
 
-def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
+def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1) -> tuple[SyncerCore, str]:
   """A fresh SyncerCore for `config` and its fingerprint: the global fragments start from the learners'
-  initial params (the same values every learner creates from `config.seed`)."""
+  initial params (the same values every learner creates from `config.seed`). With `shards` > 1, the core
+  of shard `shard`: it owns and holds only that shard's fragments (`placement.assign_shards` of the plan's
+  fragment sizes)."""
   params = model.init_params_host(config)
   plan = fragment_plan(config, params)
-  initial = [fragments.gather(plan, params, p) for p in range(plan.num_fragments)]
+  sizes = [plan.size(p) for p in range(plan.num_fragments)]
+  owned = None
+  if shards > 1 or shard != 0:
+    if not 0 <= shard < shards:
+      raise ValueError(f"shard must be in [0, shards={shards}), got {shard}")
+    owned = tuple(placement.assign_shards(sizes, shards)[shard])
+  initial = [fragments.gather(plan, params, p) if owned is None or p in owned else None
+             for p in range(plan.num_fragments)]
   fingerprint = config_lib.fingerprint(config, run_id)
-  return SyncerCore(SyncerSettings.from_config(config, plan, fingerprint), initial), fingerprint
+  settings = SyncerSettings.from_config(config, plan, fingerprint, owned=owned)
+  return SyncerCore(settings, initial), fingerprint
 
 
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:

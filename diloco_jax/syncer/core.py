@@ -52,6 +52,14 @@ order, to a journal (`syncer/checkpoint.py`): versions before any learner can se
 that must survive a kill -9 (bytes, joins, rejections, ...). Counters that describe the global model
 (rounds, contributions and tokens merged) come from the checkpoint: the merges a crash lost are counted
 again when the learners push that work again.
+
+Shards. A core may own only some fragments (`SyncerSettings.owned`, from `placement.assign_shards`: one
+shard of a sharded syncer, docs/architecture.md). It holds arrays, rounds, checkpoints and epochs only for
+those; the others hold no arrays (zero-length placeholders keep the per-fragment lists indexed by
+fragment), and a push or pull of one is refused ("wrong_shard"). `join` answers the versions of the owned
+fragments only. Membership is the same as unsharded: each shard keeps its own leases from the heartbeats
+that reach it.
+
 Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
 Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
 `STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
@@ -153,6 +161,7 @@ class SyncerSettings:
   sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
   max_push_steps: int = 0  # train.steps: no push may claim more
   max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
+  owned: tuple[int, ...] | None = None  # the fragments this core (one shard) serves; None: all of them
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -184,10 +193,27 @@ class SyncerSettings:
         raise ValueError(f"{field} must be >= 0 (0: no bound), got {value}")
     if not self.max_norm_ratio >= 0:
       raise ValueError(f"outer.max_norm_ratio must be >= 0 (0: off), got {self.max_norm_ratio}")
+    if self.owned is not None and (not self.owned or list(self.owned) != sorted(set(self.owned))
+                                   or not all(0 <= p < self.num_fragments for p in self.owned)):
+      raise ValueError(f"owned fragments must be a sorted, non-empty set of fragments in "
+                       f"[0, {self.num_fragments}), got {self.owned}")
+
+  def owns(self, p: int) -> bool:
+    """Whether this core serves fragment p (every fragment, unsharded)."""
+    return self.owned is None or p in self.owned
+
+  @property
+  def held_sizes(self) -> tuple[int, ...]:
+    """Elements this core holds per fragment: the size of an owned fragment, 0 for another shard's."""
+    return tuple(n if self.owns(p) else 0 for p, n in enumerate(self.sizes))
+
+  @property
+  def num_owned(self) -> int:
+    return self.num_fragments if self.owned is None else len(self.owned)
 
   @classmethod
-  def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
-    """Settings from `config.outer` and a `fragments.FragmentPlan`."""
+  def from_config(cls, config, plan, fingerprint: str, owned: tuple[int, ...] | None = None) -> "SyncerSettings":
+    """Settings from `config.outer` and a `fragments.FragmentPlan`; `owned`: a shard's fragments."""
     o = config.outer
     return cls(
         num_fragments=plan.num_fragments,
@@ -212,6 +238,7 @@ class SyncerSettings:
         sync_every=int(o.sync_every),
         max_push_steps=int(config.train.steps),
         max_norm_ratio=float(o.max_norm_ratio),
+        owned=owned,
     )
 
 
@@ -345,9 +372,10 @@ class SyncerCore:
     self._cond = threading.Condition(self._lock)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
-      frag = np.array(frag, np.float32).reshape(-1)
-      if frag.size != settings.sizes[p]:
-        raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
+      # Another shard's fragment: a zero-length placeholder (whatever was passed for it).
+      frag = np.array(frag if settings.owns(p) else (), np.float32).reshape(-1)
+      if frag.size != settings.held_sizes[p]:
+        raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.held_sizes[p]}")
       self._globals.append(frag)
     n = settings.num_fragments
     # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
@@ -369,7 +397,7 @@ class SyncerCore:
     # contributors and their grace waits (quorum to close), summed.
     self._started = clock()
     self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
-    self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
+    self._downlink = Downlink(settings.held_sizes, settings.downlink_codec, settings.block, self._globals,
                               epoch=new_epoch(), threads=settings.merge_threads)
     self._history = [EpochRecord(self._downlink.epoch, (0,) * n, (0,) * n)]
     self._journal: Callable[[dict, bool], None] | None = None
@@ -387,7 +415,7 @@ class SyncerCore:
   def max_payload_bytes(self) -> int:
     """The largest valid push payload: the largest fragment in the run's uplink codec."""
     s = self.settings
-    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
+    return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.held_sizes)
 
   # ---- journal ----
 
@@ -501,7 +529,8 @@ class SyncerCore:
                                           steps_merged=old.steps_merged if old else 0)
       self.counters["joins"] += 1
       self._changed()
-      return Versions(enumerate(self._versions), epoch=self.epoch, history=tuple(self._history))
+      return Versions(((p, v) for p, v in enumerate(self._versions) if self.settings.owns(p)), epoch=self.epoch,
+                      history=tuple(self._history))
 
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
@@ -596,6 +625,9 @@ class SyncerCore:
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
     if not 0 <= push.fragment < s.num_fragments:
       raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
+    if not s.owns(push.fragment):
+      raise self._reject("wrong_shard", f"fragment {push.fragment} belongs to another syncer shard; this "
+                         f"one serves fragments {list(s.owned)}")
     if push.base_epoch not in (0, self.epoch):
       raise self._reject("epoch", f"base_version {push.base_version} is numbered by syncer epoch "
                          f"{push.base_epoch}, this syncer's epoch is {self.epoch}: it restarted; join again and "
@@ -877,6 +909,9 @@ class SyncerCore:
     """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
+    if not self.settings.owns(fragment):
+      raise Rejected("wrong_shard", f"fragment {fragment} belongs to another syncer shard; this one serves "
+                     f"fragments {list(self.settings.owned)}")
     give_up = time.monotonic() + max(timeout_s, 0.0)
     with self._lock:
       while True:
@@ -915,7 +950,7 @@ class SyncerCore:
       stall_s = self.settings.stall_s
       uptime = now - self._started
       provisioned = max(self.settings.num_learners, len(self._members)) * uptime
-      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_owned
       live = self._live(now)
       shown = live[:STATUS_MEMBERS]
       if len(shown) < STATUS_MEMBERS:
@@ -935,9 +970,10 @@ class SyncerCore:
                                "step_ago_s": None if m.step_at is None else now - m.step_at,
                                "blocked": m.blocked, "progressing": m.progressing(now, stall_s),
                                "last_push_ago_s": None if m.last_push is None else now - m.last_push,
-                               "steps_merged": m.steps_merged / self.settings.num_fragments}
+                               "steps_merged": m.steps_merged / self.settings.num_owned}
                       for i, m in ((i, self._members[i]) for i in sorted(shown))},
           "versions": list(self._versions),
+          "owned": [p for p in range(self.settings.num_fragments) if self.settings.owns(p)],
           "rounds": list(self._rounds),
           "open_rounds": {str(p): {"contributors": r.contributors()[:STATUS_IDS],
                                    "contributor_count": len(r.contributors()),
@@ -959,22 +995,31 @@ class SyncerCore:
     stopping syncer closes them first, `close_open_rounds`); their learners push that work again
     (docs/operations.md, "Recovery")."""
     with self._lock:
+      held = self.settings.owns  # another shard's fragment is None (orbax saves no zero-size array)
       return {
-          "fragments": [g.copy() for g in self._globals],
-          "opt_states": [m.copy() for m in self._momenta],
+          "fragments": [g.copy() if held(p) else None for p, g in enumerate(self._globals)],
+          "opt_states": [m.copy() if held(p) else None for p, m in enumerate(self._momenta)],
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
+          "owned": None if self.settings.owned is None else list(self.settings.owned),
           "history": [[h.epoch, list(h.start_rounds), list(h.version_offsets)] for h in self._history],
           # Idempotency keys of settled contributions, whose effect this state holds: [learner,
           # incarnation, sequence, checksum, fragment, round, late, epoch that accepted it].
           "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late,
                          r.receipt.epoch]
                         for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
-          **self._downlink.state_dict(),
+          **self._held_only(self._downlink.state_dict()),
       }
+
+  def _held_only(self, downlink_state: dict) -> dict:
+    # The downlink's references of other shards' fragments (zero-length) as None, like the fragments.
+    refs = downlink_state["references"]
+    if refs is not None:
+      refs = [r if self.settings.owns(p) else None for p, r in enumerate(refs)]
+    return {**downlink_state, "references": refs}
 
   def load_state_dict(self, state: dict) -> None:
     """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept.
@@ -986,16 +1031,25 @@ class SyncerCore:
     n = s.num_fragments
     if state["fingerprint"] != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
+    owned = state.get("owned")
+    if (None if owned is None else tuple(int(p) for p in owned)) != s.owned:
+      raise ValueError(f"checkpoint of a syncer owning fragments {'all' if owned is None else list(owned)}, this "
+                       f"one owns {'all' if s.owned is None else list(s.owned)} (another shard's workdir, or "
+                       f"another shard count)")
+    empty = np.zeros(0, np.float32)  # what a shard's checkpoint holds (None) for another shard's fragment
+    held = lambda xs: None if xs is None else [empty if x is None else x for x in xs]
+    state = {**state, "fragments": held(state["fragments"]), "opt_states": held(state["opt_states"]),
+             "references": held(state.get("references"))}
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
-    if [f.size for f in fragments] != list(s.sizes):
-      raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
+    if [f.size for f in fragments] != list(s.held_sizes):
+      raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.held_sizes)}")
     momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
     global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
     momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
     versions = [int(v) for v in state["versions"]]
     rounds = [int(r) for r in state["rounds"]]
     epoch = new_epoch()
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, epoch,
+    downlink = Downlink.restore(state, s.held_sizes, s.downlink_codec, s.block, fragments, versions, epoch,
                                 threads=s.merge_threads)
     history = [EpochRecord(int(e), tuple(int(x) for x in starts), tuple(int(x) for x in offsets))
                for e, starts, offsets in state.get("history") or ()]

@@ -7,10 +7,12 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import protocol
+from diloco_jax.transports import sharded
 
 
 def define(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer", None, "host:port of the syncer", flag_values=fv, required=True)
+  flags.DEFINE_string("syncer", None, "host:port of the syncer (a sharded syncer: one per shard, comma-separated, "
+                      "in shard order)", flag_values=fv, required=True)
   flags.DEFINE_string("token-file", None, f"file holding the run token (else ${protocol.TOKEN_ENV})",
                       flag_values=fv)
   flags.DEFINE_string("tls-ca", None, "PEM CA that signed the syncer's certificate (enables TLS)",
@@ -21,12 +23,12 @@ def define(fv: flags.FlagValues) -> None:
                       "--syncer host", flag_values=fv)
 
 
-def target(fv: flags.FlagValues) -> str:
-  """--syncer, checked to be host:port."""
-  host, _, port = fv.syncer.rpartition(":")
-  if not host or not port.isdigit():
-    raise cli.UsageError(f"--syncer must be host:port, got {fv.syncer!r}")
-  return fv.syncer
+def targets(fv: flags.FlagValues) -> list[str]:
+  """--syncer: one host:port per syncer shard, checked."""
+  try:
+    return sharded.parse_targets(fv.syncer)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
 
 
 def token(fv: flags.FlagValues) -> str:
