@@ -14,7 +14,9 @@ Formats (all little-endian; `n` elements, `block` elements per block, `nb = ceil
   byte (element 2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of
   codes, then nb float32 scales. |err| <= scale / 2 per element (same slack).
 
-A block of zeros has scale 0 and decodes to exact zeros. Non-finite inputs are not rejected here: with the
+A block of zeros has scale 0 and decodes to exact zeros. A block whose largest magnitude is tiny (below
+2^-120, where qmax / absmax would overflow float32) is quantized in float64 against its stored scale, which
+is rounded up when it is subnormal: the bound is then half that stored scale. Non-finite inputs are not rejected here: with the
 quantized formats they poison their block's scale and decode as NaN, so the receiver's finiteness check
 (the syncer's "nonfinite" rejection) catches them in every format.
 """
@@ -68,15 +70,37 @@ def _blocks(vec: np.ndarray, block: int) -> np.ndarray:
   return padded.reshape(nb, block)
 
 
+# Below this block absmax, qmax / absmax would overflow float32 (qmax / 2^-120 < 2^127 still fits): such
+# blocks are quantized in float64 against their stored scale instead.
+_TINY_ABSMAX = np.float32(2.0**-120)
+
+
+def _scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
+  """The float32 scale of each block: absmax / qmax, rounded up where float32 rounded it down (only matters
+  for subnormal scales, whose rounding is coarse), so that |x| / scale <= qmax holds for every element."""
+  exact = absmax.astype(np.float64) / qmax
+  scales = exact.astype(np.float32)
+  low = scales.astype(np.float64) < exact
+  if low.any():
+    scales[low] = np.nextafter(scales[low], np.float32(np.inf))
+  return scales
+
+
 def _quantize(vec: np.ndarray, codec: str, block: int) -> tuple[np.ndarray, np.ndarray]:
   """Codes q (int8, [nb, block]) and scales (float32, [nb]) of the block absmax quantization."""
   qmax = _QMAX[codec]
   blocks = _blocks(vec, block)
   absmax = np.max(np.abs(blocks), axis=1)
-  scales = (absmax / np.float32(qmax)).astype(np.float32)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    inv = np.where(absmax > 0, np.float32(qmax) / absmax, np.float32(0)).astype(np.float32)
+  with np.errstate(invalid="ignore"):
+    scales = _scales(absmax, qmax)
+    tiny = (absmax > 0) & (absmax < _TINY_ABSMAX)
+  with np.errstate(invalid="ignore"):
+    normal = ~(absmax < _TINY_ABSMAX)  # NaN blocks too: their codes are garbage and their scale is NaN
+    inv = np.divide(np.float32(qmax), absmax, out=np.zeros_like(absmax), where=normal)
     q = blocks * inv[:, None]
+    if tiny.any():
+      # qmax / absmax overflows float32 here: divide by the stored scale in float64 (exact enough).
+      q[tiny] = blocks[tiny].astype(np.float64) / scales[tiny, None].astype(np.float64)
     np.rint(q, out=q)
     np.clip(q, -qmax, qmax, out=q)
     codes = q.astype(np.int8)  # NaN codes are garbage, but their block's scale is NaN too.
@@ -189,6 +213,7 @@ def error_bound(vec: np.ndarray, codec: str, block: int = 64) -> np.ndarray:
     return np.zeros(vec.size)
   if codec == "bf16":
     return np.maximum(np.abs(vec.astype(np.float64)) * 2.0**-8, 2.0**-134)
-  absmax = np.max(np.abs(_blocks(vec, block).astype(np.float64)), axis=1)
-  half_scale = absmax / _QMAX[codec] / 2 * (1 + _ROUNDING_SLACK)
+  absmax = np.max(np.abs(_blocks(vec, block)), axis=1)
+  scale = np.maximum(absmax.astype(np.float64) / _QMAX[codec], _scales(absmax, _QMAX[codec]).astype(np.float64))
+  half_scale = scale / 2 * (1 + _ROUNDING_SLACK)
   return np.repeat(half_scale, block)[:vec.size]

@@ -4,7 +4,8 @@ concurrently (one thread each) against the syncer core through the in-process tr
   python -m diloco_jax train --config configs/small_cpu.py --workdir runs/diloco
 
 The same learners talk to a separate syncer process over gRPC with `python -m diloco_jax learner` (see
-`local`). Summary: `<workdir>/summary.json`; per-learner metrics: `<workdir>/learner_<i>/metrics.jsonl`.
+`local`). Summary: `<workdir>/summary.json`; per-learner metrics: `<workdir>/learner_<i>/metrics.jsonl`; the
+syncer's decision for every round: `<workdir>/syncer/rounds.jsonl`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import config as config_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
@@ -40,8 +42,8 @@ class InProcessRun:
     config: the run's config (validated).
     workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
       (`syncer/`); None: nothing on disk.
-    learner_ids: which learners to create (default: all `learners.num`); each gets `learners.devices`
-      devices, carved in order from `devices` (default `jax.devices()`).
+    learner_ids: which learners to create (default: all `learners.num`); each gets its devices
+      (`config.learner_devices`), carved in order from `devices` (default `jax.devices()`).
   """
 
   def __init__(self, config, workdir: str | pathlib.Path | None, *, learner_ids: Sequence[int] | None = None,
@@ -49,7 +51,7 @@ class InProcessRun:
     self.config = config
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
-    slices = mesh_lib.carve_slices(devices or jax.devices(), [config.learners.devices] * len(ids))
+    slices = mesh_lib.carve_slices(devices or jax.devices(), [config_lib.learner_devices(config, i) for i in ids])
     self.core, self.fingerprint = build.build_core(config, run_id)
     self._syncer_ckpt = None
     self.resumed = False
@@ -57,6 +59,9 @@ class InProcessRun:
       self._syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(self.workdir / "syncer", keep=2)
       self.resumed = syncer_checkpoint.restore_core(self._syncer_ckpt, self.core) is not None
     self.ticker = Ticker(self.core)
+    # The syncer's per-round decisions (who was merged, waited for, how long, with which weights).
+    self.rounds_log = (None if self.workdir is None else
+                       metrics_lib.DrainLog(self.core.drain_decisions, self.workdir / "syncer", "rounds"))
     self.learners = [
         loop_lib.Learner(config, i, devices_i, InProcessTransport(self.core), self.fingerprint,
                          None if self.workdir is None else str(self.workdir / f"learner_{i}"),
@@ -80,6 +85,8 @@ class InProcessRun:
       if learner.log is not None:
         learner.log.close()
     self.ticker.stop()
+    if self.rounds_log is not None:
+      self.rounds_log.close()
     if self._syncer_ckpt is not None:
       syncer_checkpoint.save_core(self._syncer_ckpt, self.core, rounds=self.core.rounds_closed())
       self._syncer_ckpt.close()
@@ -95,7 +102,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
   initial_eval = None if job.resumed else learners[0].trainer.evaluate()
   if not quiet:
     sizes = [plan.size(p) for p in range(plan.num_fragments)]
-    print(f"train: {num} learners x {config.learners.devices} devices, {params:,} params, "
+    devices = [config_lib.learner_devices(config, i) for i in range(num)]
+    print(f"train: {num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, {params:,} params, "
           f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
           f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps, "
           f"codec {config.outer.codec}, quorum K={config.outer.min_quorum or num}"

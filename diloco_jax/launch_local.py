@@ -4,7 +4,7 @@
         [--config.train.steps=200 ...]
 
 Each learner is its own process with its own fake CPU devices (`XLA_FLAGS=
---xla_force_host_platform_device_count=<learners.devices>` in its environment), talking to the syncer
+--xla_force_host_platform_device_count=<its learner's devices>` in its environment), talking to the syncer
 process over gRPC on loopback, exactly as on separate hosts. The launcher:
 
 1. writes a fresh random run token to `WORKDIR/token` (mode 600) and hands it to every child by file;
@@ -41,6 +41,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import outer as outer_lib
 from diloco_jax import protocol
@@ -191,9 +192,8 @@ def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str) -> float | No
       return None
   finally:
     ckpt.close()
-  devices = jax.devices()[:config.learners.devices]
-  trainer = trainer_lib.MeshTrainer(config, devices, None,
-                                    batch_size=config.data.global_batch // config.learners.num)
+  devices = jax.devices()[:config_lib.learner_devices(config, 0)]
+  trainer = trainer_lib.MeshTrainer(config, devices, None, batch_size=config_lib.learner_batch(config, 0))
   plan = build.fragment_plan(config, trainer.state.params)
   params = build.global_params(core, plan, jax.tree.map(np.asarray, trainer.state.params))
   return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
@@ -240,14 +240,13 @@ class Launcher:
       time.sleep(0.2)
 
   def start_learners(self) -> None:
-    k = self.config.learners.devices
     for i in range(self.config.learners.num):
       ldir = self.workdir / f"learner_{i}"
       self.learners.append(Child(
           f"learner {i}",
           self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
                         "--workdir", str(ldir), "--token-file", str(self.workdir / "token")),
-          child_env(k), self.workdir / "logs" / f"learner_{i}.log"))
+          child_env(config_lib.learner_devices(self.config, i)), self.workdir / "logs" / f"learner_{i}.log"))
 
   def watch(self, quiet: bool = False) -> None:
     """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""
@@ -343,9 +342,10 @@ def main(argv) -> int:
   if fv.learners:
     config.learners.num = fv.learners
     config_argv.append(f"--config.learners.num={fv.learners}")
-  cli.validated(config, config.learners.num * config.learners.devices, learners=True)
-  # The launcher's own jax (the final eval) gets one learner's worth of CPU devices; set before first use.
-  os.environ.update({k: v for k, v in child_env(config.learners.devices).items()
+  counts = [config_lib.learner_devices(config, i) for i in range(config.learners.num)]
+  cli.validated(config, sum(counts), learners=True)
+  # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
+  os.environ.update({k: v for k, v in child_env(counts[0]).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
   workdir = pathlib.Path(fv.workdir).resolve()
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -357,7 +357,8 @@ def main(argv) -> int:
     signal.signal(sig, launcher.on_signal)
   t0 = time.perf_counter()
   status, failed = None, None
-  print(f"local: {config.learners.num} learners x {config.learners.devices} CPU devices, run id {run_id!r}, "
+  print(f"local: {config.learners.num} learners x {counts if len(set(counts)) > 1 else counts[0]} CPU devices, "
+        f"run id {run_id!r}, "
         f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:
     launcher.start_syncer()

@@ -6,8 +6,9 @@ import json
 import os
 import pathlib
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -39,6 +40,40 @@ class MetricsLog:
 
   def close(self) -> None:
     self._file.close()
+
+
+class DrainLog:
+  """A daemon thread that appends the records `drain()` returns to `<workdir>/<name>.jsonl` every
+  `period_s` seconds, and once more at `close()` (the syncer's per-round decision records: the core builds
+  them, this writes them, outside the core's lock)."""
+
+  def __init__(self, drain: Callable[[], list[dict]], workdir: str | os.PathLike, name: str,
+               period_s: float = 1.0):
+    self._drain, self._period_s = drain, period_s
+    self._log = MetricsLog(workdir, name)
+    self.path = self._log.path
+    self.written = 0
+    self._stop = threading.Event()
+    self._lock = threading.Lock()  # the thread and close() never write at once
+    self._thread = threading.Thread(target=self._run, name=f"drain-{name}", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self._period_s):
+      self.flush()
+
+  def flush(self) -> None:
+    with self._lock:
+      for record in self._drain():
+        self._log.write(record)
+        self.written += 1
+
+  def close(self) -> None:
+    """Stop the thread and write what is left."""
+    self._stop.set()
+    self._thread.join()
+    self.flush()
+    self._log.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

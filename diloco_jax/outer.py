@@ -1,20 +1,27 @@
-"""The outer loop's math: outer gradients, merge rules, and the Nesterov outer optimizer.
+"""The outer loop's math: outer gradients, merge coefficients, and the Nesterov outer optimizer.
 
 Pure functions on flat float32 host vectors (one per fragment). Merging is numpy; the outer optimizer is
 optax, jitted once per optimizer and run on the host CPU device, so the syncer never touches an
 accelerator.
 
-Merge weights (before normalization to sum 1), for a contribution with `tokens` tokens over `steps` inner
-steps and staleness `s` (global versions it is behind):
+A round merges pushes j (one period of one learner's work each: `tokens` tokens over `steps` inner steps,
+based on a global version `s` behind) into one outer gradient
+
+    merged = sum_j c_j v_j,     c_j = w_j / W * (1 + s_j)^-beta
+
+with the rule's raw weight w_j (`raw_weights`):
 
     tokens:               w = tokens
     tokens_sq_per_step:   w = tokens^2 / steps     ("quantity x quality", Decoupled DiLoCo)
     uniform:              w = 1
-    times the staleness discount (1 + s)^-beta   (beta = 0: no discount)
 
-Merged outer gradient: the weighted mean `sum_i w_i v_i`, or with RDA (radial-directional averaging)
-`(sum w |v|) * unit(sum w unit(v))` (weights normalized), which keeps the merged norm from shrinking like
-1/sqrt(M) when the outer gradients are nearly orthogonal.
+and W the raw weight of one period of every learner the round answers for (the syncer's choice, see
+`syncer/core.py`: every live learner, so that a round holding part of them moves the model by their share
+of the work, or only the round's contributors, a plain weighted mean). A learner that pushes two periods
+into one round has both merged, each with its own weight: its periods add up, they are not averaged. The
+staleness discount multiplies the coefficient after that normalization, so it holds even for a lone stale
+push. With RDA (radial-directional averaging) the merged vector is `(sum c |v|) * unit(sum c unit(v))`,
+which keeps the merged norm from shrinking like 1/sqrt(M) when the outer gradients are nearly orthogonal.
 """
 
 from __future__ import annotations
@@ -38,69 +45,74 @@ def outer_gradient(base: np.ndarray, local: np.ndarray) -> np.ndarray:
   return base - local
 
 
-def merge_weights(
-    tokens: Sequence[float],
-    steps: Sequence[float],
-    rule: str = "tokens",
-    staleness: Sequence[float] | None = None,
-    beta: float = 0.0,
-) -> np.ndarray:
-  """Normalized merge weights (float64, summing to 1), see the module docstring.
-
-  If every raw weight is 0 (e.g. all contributions report 0 tokens), the weights fall back to uniform
-  (times the staleness discount): a round that closed should still move the model.
-  """
+def raw_weights(tokens: Sequence[float], steps: Sequence[float], rule: str = "tokens") -> np.ndarray:
+  """Each push's weight under `rule` before normalization (float64), see the module docstring."""
   if rule not in MERGE_RULES:
     raise ValueError(f"outer.merge must be one of {MERGE_RULES}, got {rule!r}")
   tokens = np.asarray(tokens, np.float64)
   steps = np.asarray(steps, np.float64)
-  if tokens.ndim != 1 or tokens.shape != steps.shape or tokens.size == 0:
-    raise ValueError(f"tokens {tokens.shape} and steps {steps.shape} must be equal, non-empty 1-D")
+  if tokens.ndim != 1 or tokens.shape != steps.shape:
+    raise ValueError(f"tokens {tokens.shape} and steps {steps.shape} must be equal 1-D")
   if (tokens < 0).any() or (steps < 0).any():
     raise ValueError("tokens and steps must be >= 0")
   if rule == "tokens":
-    w = tokens.copy()
-  elif rule == "tokens_sq_per_step":
-    w = tokens**2 / np.maximum(steps, 1.0)  # 0 steps means 0 tokens too; avoid 0/0
-  else:
-    w = np.ones_like(tokens)
-  discount = np.ones_like(tokens)
+    return tokens.copy()
+  if rule == "tokens_sq_per_step":
+    return tokens**2 / np.maximum(steps, 1.0)  # 0 steps means 0 tokens too; avoid 0/0
+  return np.ones_like(tokens)
+
+
+def merge_coefficients(raw: Sequence[float], period_weight: float, learners: int,
+                       staleness: Sequence[float] | None = None, beta: float = 0.0) -> np.ndarray:
+  """The coefficients c_j = raw_j / period_weight * (1 + s_j)^-beta of a round's pushes (float64).
+
+  `period_weight`: W, the raw weight of one period of each of the `learners` learners the round answers
+  for. If it is 0 (no push reported any tokens), each push gets 1 / learners: a round that closed should
+  still move the model. The discount is never renormalized away.
+  """
+  raw = np.asarray(raw, np.float64)
+  if raw.ndim != 1 or raw.size == 0 or (raw < 0).any():
+    raise ValueError(f"raw weights must be a non-empty 1-D array >= 0, got {raw}")
+  if learners < 1:
+    raise ValueError(f"a round answers for >= 1 learner, got {learners}")
+  discount = np.ones_like(raw)
   if staleness is not None:
     staleness = np.asarray(staleness, np.float64)
-    if staleness.shape != tokens.shape or (staleness < 0).any():
-      raise ValueError(f"staleness must be >= 0 with shape {tokens.shape}, got {staleness}")
+    if staleness.shape != raw.shape or (staleness < 0).any():
+      raise ValueError(f"staleness must be >= 0 with shape {raw.shape}, got {staleness}")
     discount = (1.0 + staleness)**-float(beta)
-  w = w * discount
-  if w.sum() <= 0:
-    w = discount.copy()
-  return w / w.sum()
+  if period_weight > 0:
+    return raw / float(period_weight) * discount
+  return discount / learners
 
 
-def merge(deltas: Sequence[np.ndarray], weights: Sequence[float], rda: bool = False) -> np.ndarray:
-  """The merged outer gradient (float32): the weighted mean of `deltas`, or its RDA form."""
-  if len(deltas) == 0 or len(deltas) != len(weights):
-    raise ValueError(f"need one weight per delta, got {len(deltas)} deltas and {len(weights)} weights")
-  w = np.asarray(weights, np.float64)
-  if (w < 0).any() or w.sum() <= 0:
-    raise ValueError(f"weights must be >= 0 with a positive sum, got {w}")
-  w = w / w.sum()
+def merge(deltas: Sequence[np.ndarray], coefficients: Sequence[float], rda: bool = False) -> np.ndarray:
+  """The merged outer gradient (float32): `sum_j c_j v_j`, or its RDA form `(sum c|v|) unit(sum c unit(v))`.
+
+  The coefficients are used as given (not renormalized): they already say how far the round moves.
+  """
+  if len(deltas) == 0 or len(deltas) != len(coefficients):
+    raise ValueError(f"need one coefficient per delta, got {len(deltas)} deltas and {len(coefficients)}")
+  c = np.asarray(coefficients, np.float64)
+  if (c < 0).any() or not np.isfinite(c).all():
+    raise ValueError(f"coefficients must be finite and >= 0, got {c}")
   shape = np.shape(deltas[0])
   for d in deltas:
     if np.shape(d) != shape:
       raise ValueError(f"deltas differ in shape: {shape} vs {np.shape(d)}")
   if not rda:
     out = np.zeros(shape, np.float32)
-    for wi, d in zip(w, deltas):
-      out += np.float32(wi) * np.asarray(d, np.float32)
+    for ci, d in zip(c, deltas):
+      out += np.float32(ci) * np.asarray(d, np.float32)
     return out
   radial = 0.0
   direction = np.zeros(shape, np.float32)
-  for wi, d in zip(w, deltas):
+  for ci, d in zip(c, deltas):
     d = np.asarray(d, np.float32)
     norm = float(np.linalg.norm(d.astype(np.float64)))
-    radial += wi * norm
+    radial += ci * norm
     if norm > 0:  # unit(0) = 0: a zero delta carries no direction
-      direction += np.float32(wi / norm) * d
+      direction += np.float32(ci / norm) * d
   dnorm = float(np.linalg.norm(direction.astype(np.float64)))
   if dnorm == 0:
     return np.zeros(shape, np.float32)
@@ -160,19 +172,6 @@ def state_from_numpy(tx: optax.GradientTransformation, global_vec: np.ndarray, s
     if np.shape(got) != np.shape(want):
       raise ValueError(f"saved outer state array of shape {np.shape(got)}, expected {np.shape(want)}")
   return jax.device_put(jax.tree.unflatten(treedef, leaves), _cpu())
-
-
-def participation(contributors: int, live_learners: int) -> float:
-  """The share of the live learners a round merged: k / n, capped at 1 (a learner whose lease lapsed
-  after it pushed still counts as a contributor).
-
-  Scaling a round's merged outer gradient by it makes quorum K < M sound: when the M learners' pushes
-  arrive in several rounds instead of one, their outer gradients still enter the outer optimizer with the
-  same total weight (about 1), instead of each single-learner round taking a full Nesterov step.
-  """
-  if contributors <= 0:
-    return 0.0
-  return min(1.0, contributors / max(live_learners, 1))
 
 
 def tokens_merged(fragment_tokens_merged: int, num_fragments: int) -> float:

@@ -12,9 +12,11 @@ quantized change from it (kind "delta", to be added to the base on the device) i
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
+import statistics
 import threading
 
 import numpy as np
@@ -24,7 +26,7 @@ from diloco_jax.protocol import REJOIN_REASONS, Published, Push, Rejected, Trans
 
 log = logging.getLogger(__name__)
 
-_STEP_TIME_EMA = 0.1  # weight of the newest step in the step time reported to the syncer
+_STEP_TIME_WINDOW = 32  # recent inner steps whose median is the step time reported to the syncer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,8 @@ class Comms:
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
-    self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
+    # Reported by the inner loop, read by the heartbeat thread.
+    self._step_times: collections.deque[float] = collections.deque(maxlen=_STEP_TIME_WINDOW)
     self.rejected: list[str] = []
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
@@ -63,15 +66,16 @@ class Comms:
                                        name=f"learner{learner_id}-heartbeat")
 
   def report_step_time(self, seconds: float) -> None:
-    """The inner loop's latest step time; its running average feeds the syncer's grace window."""
+    """The inner loop's latest step time. The median of the recent ones feeds the syncer's grace window:
+    robust to the noise of single steps (a compilation, a step that waited for the host), unlike a mean."""
     with self._lock:
-      s = self._step_time_s
-      self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
+      self._step_times.append(float(seconds))
 
   @property
   def step_time_s(self) -> float:
+    """The median of the last 32 reported step times (0 before the first)."""
     with self._lock:
-      return self._step_time_s
+      return statistics.median(self._step_times) if self._step_times else 0.0
 
   def traffic(self) -> dict[str, int]:
     """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
@@ -145,10 +149,13 @@ class Comms:
       self.rejected.append(e.reason)
       log.warning("learner %d: push of fragment %d refused: %s", self.learner_id, fragment, e)
       return self._result(fragment, 0, base_version, base_epoch, late=False)
-    # The learner's base for this fragment is the reference of base_version until this result is adopted
-    # (one sync per fragment in flight), so a delta from it applies if the syncer's epoch is still that
-    # base's (a syncer restored meanwhile answers with the full fragment).
-    return self._result(fragment, base_version + 1, base_version, base_epoch, late=receipt.late)
+    # Wait for the version that merges this push (the receipt names it), not just any version after the
+    # base: a late push's base is already behind, and adopting a version without this learner's own work
+    # would set it back by a period. The learner's base for this fragment is the reference of base_version
+    # until this result is adopted (one sync per fragment in flight), so a delta from it applies if the
+    # syncer's epoch is still that base's (a syncer restored meanwhile answers with the full fragment).
+    merged = max(base_version + 1, receipt.version)
+    return self._result(fragment, merged, base_version, base_epoch, late=receipt.late)
 
   def _push(self, push: Push):
     try:

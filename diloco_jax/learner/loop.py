@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax import config as config_lib
 from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import trainer as trainer_lib
 from diloco_jax.learner.comms import Comms, SyncResult
+from diloco_jax.learner.pace import StepPacer
 
 
 @dataclasses.dataclass
@@ -110,8 +112,9 @@ class Learner:
     outer = config.outer
     num_learners = config.learners.num
     self.trainer = trainer_lib.MeshTrainer(
-        config, devices, workdir, batch_size=config.data.global_batch // num_learners,
+        config, devices, workdir, batch_size=config_lib.learner_batch(config, learner_id % num_learners),
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints)
+    self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
                                         outer.fragment_plan)
@@ -225,7 +228,11 @@ class Learner:
   def train_step(self) -> None:
     t0 = time.perf_counter()
     tokens_before = self.trainer.tokens
-    self.trainer.train_step()
+    metrics = self.trainer.train_step()
+    if self.pacer.active:
+      # Emulated speed: the step must have finished on the device before its wall time is stretched.
+      jax.block_until_ready(metrics)
+      self.pacer.stretch(time.perf_counter() - t0)
     blocked_before = self.stats.blocked_s
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
@@ -270,5 +277,6 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
       "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
       "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
       "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
-      "local_eval_loss": eval_loss,
+      "local_eval_loss": eval_loss, "batch_size": trainer.batch_size, "devices": len(trainer.mesh.devices.flat),
+      **({"pace": learner.pacer.stats()} if learner.pacer.active else {}),
   }

@@ -84,7 +84,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv, required=True)
   flags.DEFINE_string("token-file", None, "file holding the run token (else $DILOCO_TOKEN)", flag_values=fv)
   flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
-  flags.DEFINE_integer("devices", None, "devices of this learner (default config.learners.devices)",
+  flags.DEFINE_integer("devices", None, "devices of this learner (default learners.device_counts[id], else "
+                       "learners.devices)",
                        flag_values=fv)
   flags.DEFINE_string("tls-ca", None, "PEM CA that signed the syncer's certificate (enables TLS)",
                       flag_values=fv)
@@ -99,7 +100,7 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   """Train one learner against the syncer at `target` until `train.steps` or a signal; returns the
   summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
-  k = num_devices or config.learners.devices
+  k = num_devices or config_lib.learner_devices(config, learner_id)
   devices = jax.devices()
   if len(devices) < k:
     raise cli.UsageError(
@@ -157,11 +158,17 @@ def main(argv) -> int:
   host, _, port = fv.syncer.rpartition(":")
   if not host or not port.isdigit():
     raise cli.UsageError(f"--syncer must be host:port, got {fv.syncer!r}")
-  k = fv.devices or config.learners.devices
   if fv.devices:
-    config.learners.devices = k
-  # Validate as one learner of the run: the device total is checked above, per process.
-  cli.validated(config, config.learners.num * k, learners=True)
+    if config.learners.device_counts:
+      counts = list(config.learners.device_counts)
+      counts[learner_id] = fv.devices
+      config.learners.device_counts = tuple(counts)
+    else:
+      config.learners.devices = fv.devices
+  k = config_lib.learner_devices(config, learner_id)
+  # Validate as one learner of the run: the device total is checked in `run`, per process.
+  cli.validated(config, sum(config_lib.learner_devices(config, i) for i in range(config.learners.num)),
+                learners=True)
   try:
     token = protocol.read_token(fv["token-file"].value)
   except (OSError, ValueError) as e:

@@ -8,7 +8,9 @@ initial parameters), resumes from the latest checkpoint in `--workdir`, serves i
 with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time (`syncer/ticker.py`), and
 checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown (SIGTERM/SIGINT: calls in
 flight get `syncer.shutdown_grace_s`, then a final checkpoint is written and waited for). The bound port is
-written to `WORKDIR/syncer.port` (for launchers that bind port 0).
+written to `WORKDIR/syncer.port` (for launchers that bind port 0); the decision of every closed round
+(contributors, who the grace window waited for and how long, merge coefficients) is appended to
+`WORKDIR/rounds.jsonl`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import metrics as metrics_lib
 from diloco_jax import protocol
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.auth import TlsConfig, check_bind
@@ -136,6 +139,7 @@ def main(argv) -> int:
                  fingerprint=fingerprint, max_workers=fv["max-workers"].value,
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
+  rounds_log = metrics_lib.DrainLog(core.drain_decisions, workdir, "rounds")
   host = fv.bind.rsplit(":", 1)[0]
   (workdir / "syncer.port").write_text(f"{handle.port}\n")
   print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
@@ -145,6 +149,7 @@ def main(argv) -> int:
   print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
   handle.stop(grace=float(s.shutdown_grace_s))
   ticker.stop()
+  rounds_log.close()
   step = periodic.stop()
   ckpt.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",

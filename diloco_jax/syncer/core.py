@@ -13,20 +13,33 @@ until it heartbeats (expired lease) or joins again (left). Its pushes already re
 
 Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
-after the opening); it then stays open for `grace_window_s(policy, step_time, t_quorum, t_sync)` seconds,
-where step_time is `estimate_step_time` of the live learners' reported step times and t_sync a running
-average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
-early as soon as every live learner has contributed. Once the quorum is reached, the deadline is fixed.
-Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (`outer.merge`, optionally RDA), with `scale_partial_rounds` the merged outer
-gradient scaled by `outer.participation` (k of n live learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. A contribution that arrives
-after its round's deadline goes into the next round (never lost); one based on an older version ("late")
-is merged with its staleness discount. A learner pushing the same fragment twice into one round has both
-contributions merged (quorum counts it once).
+after the opening); it then stays open for `round_grace_s(policy, offsets, step_times, t_quorum, t_sync)`
+seconds (`syncer/policy.py`, the paper's Eq. 3 per learner): offsets and step times are those of the
+contributors in at the quorum, each learner's step time the robust estimate it reports with its
+heartbeats (the median of its recent steps; a learner that never reported gets the median of the live
+learners' reports), and t_sync a running average (EMA) of this fragment's merge + outer step + encode
+time, measured on the same clock. It closes early as soon as every live learner has contributed. Once the
+quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
+`c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight, staleness
+s_j = version - base_version, W the raw weight of one period of every learner the round answers for:
+with `scale_partial_rounds` every live learner and every contributor, each counted once with the weight
+of its latest push, else only the contributors), merge `sum_j c_j v_j` (`outer.merge`, optionally RDA),
+Nesterov outer step, version += 1, the new global fragment published for the downlink (below), and
+waiting pulls are woken. So a round holding part of the live learners' work moves the model by that share
+of a full round (k/n for equal learners; by tokens when their batches differ), a learner that pushed two
+periods into one round has both summed, and a lone stale push keeps its discount. A contribution that
+arrives after its round's deadline goes into the next round (never lost); one based on an older version
+("late") is merged with its staleness discount. The receipt of a push names the version that will merge
+it (`PushReceipt.version`): the learner waits for that one, not for any newer version than its base.
 
-Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
-created and on every `load_state_dict`.
+Decisions. Closing a round builds a record of what was decided (`decision_record`: who contributed, with
+which base, staleness, tokens and coefficient; who the grace window waited for and who arrived in it; the
+quorum time, the grace window and its inputs, how long the round stayed open, why it closed). The core
+keeps the latest records in a bounded queue; `drain_decisions()` hands them to the shell that writes
+them (`rounds.jsonl`: `syncer/app.py`, `inprocess.py`).
+
+Downlink: `syncer/downlink.py` (reference-tracking deltas from the version the round's contributors
+hold, epochs). The core draws a new epoch when it is created and on every `load_state_dict`.
 
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
@@ -35,8 +48,10 @@ changes nothing else.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import statistics
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -47,9 +62,10 @@ from diloco_jax import codec as codec_lib
 from diloco_jax import outer
 from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected
 from diloco_jax.syncer.downlink import Downlink, new_epoch
-from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
+from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
+_MAX_DECISIONS = 10_000  # decision records kept for `drain_decisions` (the oldest are dropped beyond)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +86,7 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  downlink_history: int = 1  # references kept per fragment (`syncer/downlink.py`); 1 = only the latest
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -88,6 +105,8 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if self.downlink_history < 1:
+      raise ValueError(f"outer.downlink_history must be >= 1, got {self.downlink_history}")
 
   @classmethod
   def from_config(cls, config, plan, fingerprint: str) -> "SyncerSettings":
@@ -109,6 +128,7 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        downlink_history=int(o.downlink_history or 2 * config.learners.num),
     )
 
 
@@ -118,6 +138,7 @@ class _Member:
   step_time_s: float = 0.0
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
+  period_weight: float = 0.0  # the merge rule's raw weight of its latest push: one period of its work
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -138,6 +159,12 @@ class _Round:
   opened: float
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
+  # Set at the quorum, for the decision record: when, the grace window and its inputs, who it waits for.
+  quorum_at: float | None = None
+  grace_s: float = 0.0
+  step_times_s: tuple[float, ...] = ()  # of the contributors in at the quorum, in order of arrival
+  t_sync_s: float = 0.0
+  waited_for: tuple[int, ...] = ()  # live learners not yet in at the quorum
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -159,6 +186,37 @@ def _new_counters() -> dict[str, Any]:
       "joins": 0,
       "leaves": 0,
       "leases_expired": 0,
+  }
+
+
+def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why: str, live: Sequence[int],
+                    staleness: Sequence[int], coefficients: Sequence[float], period_weight: float,
+                    answered: int, t_sync_s: float) -> dict:
+  """What a round decided, as plain JSON values (times in seconds from the round's opening).
+
+  `contributions`: one entry per push in arrival order (learner, base version, staleness, steps, tokens,
+  arrival, coefficient). `quorum_s`, `grace_s`, `step_times_s`, `t_sync_s`: the grace window and its inputs
+  (`syncer/policy.py`), `waited_for`: the live learners not yet in at the quorum, `arrived_in_grace`: those
+  of them that made it, `open_s`: how long the round stayed open, `close`: "all_in" (every live learner
+  contributed) or "deadline". `period_weight`, `answered_for`: W and the learners it sums over, `moved`:
+  the sum of the coefficients (1 for a full round of fresh pushes).
+  """
+  first = {}
+  for c in rnd.contributions:
+    first.setdefault(c.learner_id, c.arrived)
+  quorum_at = rnd.quorum_at if rnd.quorum_at is not None else rnd.opened
+  return {
+      "fragment": fragment, "version": version, "close": why,
+      "contributors": list(first), "live": list(live),
+      "contributions": [
+          {"learner": c.learner_id, "base_version": c.base_version, "staleness": int(s), "steps": c.steps,
+           "tokens": c.tokens, "arrived_s": c.arrived - rnd.opened, "coefficient": float(w)}
+          for c, s, w in zip(rnd.contributions, staleness, coefficients)],
+      "quorum_s": quorum_at - rnd.opened, "grace_s": rnd.grace_s, "step_times_s": list(rnd.step_times_s),
+      "t_sync_s": rnd.t_sync_s, "waited_for": list(rnd.waited_for),
+      "arrived_in_grace": [i for i in rnd.waited_for if i in first],
+      "open_s": closed - rnd.opened, "merge_s": t_sync_s,
+      "period_weight": float(period_weight), "answered_for": answered, "moved": float(np.sum(coefficients)),
   }
 
 
@@ -193,7 +251,9 @@ class SyncerCore:
     self._members: dict[int, _Member] = {}
     self.counters = _new_counters()
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch())
+                              epoch=new_epoch(), history=settings.downlink_history)
+    self._decisions: collections.deque[dict] = collections.deque(maxlen=_MAX_DECISIONS)
+    self.decisions_dropped = 0
 
   @property
   def epoch(self) -> int:
@@ -216,7 +276,8 @@ class SyncerCore:
       now = self.clock()
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
-                                          step_time_s=old.step_time_s if old else 0.0)
+                                          step_time_s=old.step_time_s if old else 0.0,
+                                          period_weight=old.period_weight if old else 0.0)
       self.counters["joins"] += 1
       return dict(enumerate(self._versions))
 
@@ -309,9 +370,12 @@ class SyncerCore:
         self._open[p] = _Round(opened=now)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
                                                        push.tokens, delta, now))
+      self._members[push.learner_id].period_weight = float(
+          outer.raw_weights([push.tokens], [push.steps], s.merge_rule)[0])
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
-      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late)
+      # The open round publishes the next version: that one merges this push.
+      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, version=self._versions[p] + 1)
       self._tick_locked()
       return receipt
 
@@ -324,6 +388,10 @@ class SyncerCore:
 
   def _step_time(self, now: float) -> float:
     return estimate_step_time([self._members[i].step_time_s for i in self._live(now)])
+
+  def _learner_step_time(self, learner_id: int, fallback: float) -> float:
+    member = self._members.get(learner_id)
+    return member.step_time_s if member is not None and member.step_time_s > 0 else fallback
 
   def _tick_locked(self) -> list[int]:
     now = self.clock()
@@ -340,42 +408,79 @@ class SyncerCore:
       if rnd.deadline is None:
         k = effective_quorum(self.settings.policy, len(live))
         if len(contributors) >= k:
-          quorum_at = next(c.arrived for c in rnd.contributions if c.learner_id == contributors[k - 1])
-          grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
-                                 self._t_sync[p])
-          rnd.deadline = quorum_at + grace
+          self._reach_quorum_locked(p, rnd, contributors[:k], live, now)
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or live <= set(contributors):
-        self._close_locked(p)
+        self._close_locked(p, "all_in" if live <= set(contributors) else "deadline")
         committed.append(p)
     if committed:
       self._cond.notify_all()
     return committed
 
-  def _close_locked(self, p: int) -> None:
+  def _reach_quorum_locked(self, p: int, rnd: _Round, quorum: list[int], live: set[int], now: float) -> None:
+    """Fix the round's deadline: the quorum time plus the per-learner grace window (`round_grace_s`)."""
+    first = {}
+    for c in rnd.contributions:
+      first.setdefault(c.learner_id, c.arrived)
+    fallback = self._step_time(now)
+    rnd.quorum_at = first[quorum[-1]]
+    rnd.step_times_s = tuple(self._learner_step_time(i, fallback) for i in quorum)
+    rnd.t_sync_s = self._t_sync[p]
+    rnd.grace_s = round_grace_s(self.settings.policy, [first[i] - rnd.opened for i in quorum], rnd.step_times_s,
+                                rnd.quorum_at - rnd.opened, rnd.t_sync_s)
+    rnd.deadline = rnd.quorum_at + rnd.grace_s
+    rnd.waited_for = tuple(sorted(live - set(rnd.contributors())))
+
+  def _coefficients_locked(self, rnd: _Round, live: list[int]) -> tuple[np.ndarray, float, int]:
+    """(raw weights, W, learners answered for) of a round's pushes, for `outer.merge_coefficients`: W sums
+    one period weight (its latest push's) per contributor and, with `scale_partial_rounds`, per live
+    learner; a learner that never pushed counts as the mean of the others."""
+    s = self.settings
+    cs = rnd.contributions
+    raw = outer.raw_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule)
+    answered = set(rnd.contributors()) | (set(live) if s.scale_partial_rounds else set())
+    known = [self._members[i].period_weight for i in answered
+             if i in self._members and self._members[i].period_weight > 0]
+    typical = statistics.fmean(known) if known else 0.0
+    period = sum(self._members[i].period_weight if i in self._members and self._members[i].period_weight > 0
+                 else typical for i in answered)
+    return raw, period, len(answered)
+
+  def _close_locked(self, p: int, why: str) -> None:
     s = self.settings
     rnd = self._open[p]
     self._open[p] = None
     started = self.clock()
     cs = rnd.contributions
-    weights = outer.merge_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule,
-                                  staleness=[self._versions[p] - c.base_version for c in cs],
-                                  beta=s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], weights, rda=s.rda)
-    if s.scale_partial_rounds:
-      merged = merged * outer.participation(len(rnd.contributors()), len(self._live(started)))
+    live = self._live(started)
+    raw, period, answered = self._coefficients_locked(rnd, live)
+    staleness = [self._versions[p] - c.base_version for c in cs]
+    coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
+    merged = outer.merge([c.delta for c in cs], coefficients, rda=s.rda)
     self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
                                                              merged)
     self._versions[p] += 1
     self._rounds[p] += 1
-    self._downlink.commit(p, self._versions[p], self._globals[p])
+    self._downlink.commit(p, self._versions[p], self._globals[p], held=[c.base_version for c in cs])
     took = self.clock() - started
     first = self._t_sync[p] == 0.0
     self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+    if len(self._decisions) == self._decisions.maxlen:
+      self.decisions_dropped += 1
+    self._decisions.append(decision_record(p, self._versions[p], rnd, started, why, live, staleness,
+                                           coefficients, period, answered, took))
+
+  def drain_decisions(self) -> list[dict]:
+    """The decision records of the rounds closed since the last call (oldest first), removed from the
+    core's bounded queue (at most the latest 10,000 are kept; `decisions_dropped` counts the others)."""
+    with self._lock:
+      out = list(self._decisions)
+      self._decisions.clear()
+      return out
 
   def global_fragments(self) -> list[np.ndarray]:
     """Copies of the global fragments Theta (what the run trains)."""
@@ -413,9 +518,10 @@ class SyncerCore:
     (ticking at round deadlines meanwhile); None on timeout.
 
     `have_version`, `have_epoch`: the version whose reference the caller holds (-1: none usable) and the
-    epoch of the syncer it got it from (`Published.epoch`; 0: unknown). If the version is the one just
-    before the current version and the epoch is this core's (or the version is 0, the same in every
-    epoch), the answer is the delta (kind "delta"), else the full fragment.
+    epoch of the syncer it got it from (`Published.epoch`; 0: unknown). If the epoch is this core's (or
+    the version is 0, the same in every epoch) and a version >= min_version was published as a delta from
+    that reference, the answer is the newest such delta (kind "delta"), else the full current fragment
+    (`syncer/downlink.py`).
     """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
@@ -424,7 +530,7 @@ class SyncerCore:
       while True:
         self._tick_locked()
         if self._versions[fragment] >= min_version:
-          published = self._downlink.answer(fragment, have_version, have_epoch)
+          published = self._downlink.answer(fragment, min_version, have_version, have_epoch)
           self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
           return published
@@ -493,7 +599,8 @@ class SyncerCore:
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
     opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
     versions = [int(v) for v in state["versions"]]
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch())
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+                                history=s.downlink_history)
     with self._lock:
       self._globals = fragments
       self._opt_states = opt_states

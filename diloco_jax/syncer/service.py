@@ -197,7 +197,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     receipt = self.core.push(push)
     self._count("pushes")
     self._count("push_bytes", total)
-    return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late)
+    return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
+                           version=receipt.version)
 
   @_rpc
   def Pull(self, request, context):

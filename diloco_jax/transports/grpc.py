@@ -249,7 +249,8 @@ class GrpcTransport:
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
                                  metadata=self._metadata)
       response = self._in(response, True)
-      return PushReceipt(fragment=response.fragment, round=response.round, late=response.late)
+      return PushReceipt(fragment=response.fragment, round=response.round, late=response.late,
+                         version=response.version)
 
     return self._call("push", attempt)
 
