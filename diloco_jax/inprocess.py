@@ -157,7 +157,7 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "bytes_received": sum(r["bytes_received"] for r in results),
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
       "blocked_s": {r["learner"]: r["blocked_s"] for r in results},
-      "versions": status["versions"],
+      "versions": status["versions"], "t_sync_s": status["t_sync_s"],
   }
   metrics_lib.write_summary(workdir, summary)
   if not quiet:

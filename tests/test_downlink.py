@@ -124,25 +124,39 @@ def test_k1_learners_get_one_delta_from_the_version_they_hold():
   assert c.counters["pulls_full"] == 0 and c.counters["pulls_delta"] == 12
 
 
-def test_round_parent_is_the_version_most_contributors_hold():
+def test_a_round_is_published_from_every_version_its_contributors_hold():
   c = helpers.make_core((N,), k=3, downlink="int4", block=BLOCK, clock=helpers.FakeClock(), downlink_history=4,
                         max_grace_s=30.0)
   for i in range(3):
     c.join(i, FP)
   rng = np.random.default_rng(14)
   step = lambda: (0.05 * rng.standard_normal(N)).astype(np.float32)
+  held = {}
   for v in range(2):  # versions 1, 2: everyone in
     for i in range(3):
       c.push(helpers.make_push(i, step(), core=c, base_version=v))
-  ref2 = c.reference(0)[1]
+    held[v + 1] = c.reference(0)[1]
+  assert c.status()["versions"] == [2] and c.status()["rounds"] == [2]
   # Round 3: learners 0 and 1 hold version 2, learner 2 still holds version 1 (it missed version 2).
-  for i, base in ((0, 2), (1, 2), (2, 1)):
-    c.push(helpers.make_push(i, step(), core=c, base_version=base))
-  assert c.status()["versions"] == [3]
+  receipts = [c.push(helpers.make_push(i, step(), core=c, base_version=base))
+              for i, base in ((0, 2), (1, 2), (2, 1))]
+  assert [r.version for r in receipts] == [3, 3, 3]
+  assert receipts[2].late and not receipts[0].late
+  # One round, one outer step, published twice: version 3 from R_1 (learner 2's), version 4 from R_2 (the
+  # most held, so the latest). Both carry the same global; staleness counts rounds, not versions.
+  assert c.status()["versions"] == [4] and c.status()["rounds"] == [3]
   pub = c.pull(0, 3, have_version=2, have_epoch=c.epoch)
-  assert (pub.kind, pub.base_version) == ("delta", 2)
-  np.testing.assert_array_equal(ref2 + codec.decode(pub.payload, "int4", N, BLOCK), c.reference(0)[1])
-  assert c.pull(0, 3, have_version=1, have_epoch=c.epoch).kind == "full"  # not its round's parent
+  assert (pub.kind, pub.version, pub.base_version) == ("delta", 4, 2)
+  np.testing.assert_array_equal(held[2] + codec.decode(pub.payload, "int4", N, BLOCK), c.reference(0)[1])
+  pub1 = c.pull(0, 3, have_version=1, have_epoch=c.epoch)
+  assert (pub1.kind, pub1.version, pub1.base_version) == ("delta", 3, 1)
+  r3 = held[1] + codec.decode(pub1.payload, "int4", N, BLOCK)
+  theta = c.state_dict()["fragments"][0]
+  for ref in (r3, c.reference(0)[1]):  # both references are within one quantization step of the global
+    assert (np.abs(ref - theta) <= codec.error_bound(theta - held[1], "int4", BLOCK) + 1e-6).all()
+  assert c.counters["pulls_full"] == 0
+  r = c.push(helpers.make_push(1, step(), core=c, base_version=3))
+  assert not r.late and r.version == 5  # version 3 is current (no round since): not late
 
 
 def test_references_older_than_the_history_get_the_full_fragment():
@@ -297,8 +311,10 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quoru
   commit_downlink = downlink.commit
 
   def recording(p, version, theta, held=()):
-    commit_downlink(p, version, theta, held)
-    refs[(p, version)] = downlink.reference(p)
+    published = commit_downlink(p, version, theta, held)
+    for v in range(version, version + published):  # a round may publish several versions
+      refs[(p, v)] = downlink._refs[p][v].copy()
+    return published
 
   monkeypatch.setattr(downlink, "commit", recording)
   errors = []

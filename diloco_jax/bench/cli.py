@@ -5,13 +5,15 @@
   overhead   a learner's tokens/s with its outer loop active against the bare inner step
   transport  fragment push/pull throughput over loopback gRPC against a raw socket copy
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
+  hetero     mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace, beside the
+             simulator, the data-parallel baseline and the paper
 
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 """
 
 from diloco_jax import subcommands
 
-BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan")}
+BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan", "hetero")}
 
 
 def main(argv) -> int:

@@ -66,6 +66,7 @@ from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_st
 
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
 _MAX_DECISIONS = 10_000  # decision records kept for `drain_decisions` (the oldest are dropped beyond)
+_VERSIONS_REMEMBERED = 4096  # per fragment, the round each recent version was published in (staleness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +247,9 @@ class SyncerCore:
     self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
+    # Rounds closed when each recent version was published (a round may publish several versions, see
+    # `syncer/downlink.py`): staleness counts rounds, not versions.
+    self._version_round: list[dict[int, int]] = [{0: 0} for _ in range(settings.num_fragments)]
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
@@ -365,7 +369,7 @@ class SyncerCore:
       self._tick_locked()
       now = self.clock()
       p = push.fragment
-      late = push.base_version < self._versions[p]
+      late = self._staleness_locked(p, push.base_version) > 0
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
@@ -432,6 +436,14 @@ class SyncerCore:
     rnd.deadline = rnd.quorum_at + rnd.grace_s
     rnd.waited_for = tuple(sorted(live - set(rnd.contributors())))
 
+  def _staleness_locked(self, p: int, base_version: int) -> int:
+    """Rounds of fragment p closed since `base_version` was published (the version difference, an upper
+    bound, for a version older than the ones remembered)."""
+    published_at = self._version_round[p].get(base_version)
+    if published_at is None:
+      return max(self._versions[p] - base_version, 0)
+    return self._rounds[p] - published_at
+
   def _coefficients_locked(self, rnd: _Round, live: list[int]) -> tuple[np.ndarray, float, int]:
     """(raw weights, W, learners answered for) of a round's pushes, for `outer.merge_coefficients`: W sums
     one period weight (its latest push's) per contributor and, with `scale_partial_rounds`, per live
@@ -455,23 +467,28 @@ class SyncerCore:
     cs = rnd.contributions
     live = self._live(started)
     raw, period, answered = self._coefficients_locked(rnd, live)
-    staleness = [self._versions[p] - c.base_version for c in cs]
+    staleness = [self._staleness_locked(p, c.base_version) for c in cs]
     coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
     merged = outer.merge([c.delta for c in cs], coefficients, rda=s.rda)
     self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
                                                              merged)
-    self._versions[p] += 1
+    first = self._versions[p] + 1
+    published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
-    self._downlink.commit(p, self._versions[p], self._globals[p], held=[c.base_version for c in cs])
+    self._versions[p] += published
+    seen = self._version_round[p]
+    for v in range(first, first + published):
+      seen[v] = self._rounds[p]
+    while len(seen) > _VERSIONS_REMEMBERED:
+      del seen[next(iter(seen))]  # the oldest: versions are inserted in increasing order
     took = self.clock() - started
-    first = self._t_sync[p] == 0.0
-    self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
+    self._t_sync[p] = took if self._t_sync[p] == 0.0 else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
     if len(self._decisions) == self._decisions.maxlen:
       self.decisions_dropped += 1
-    self._decisions.append(decision_record(p, self._versions[p], rnd, started, why, live, staleness,
+    self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness,
                                            coefficients, period, answered, took))
 
   def drain_decisions(self) -> list[dict]:
@@ -488,9 +505,9 @@ class SyncerCore:
       return [g.copy() for g in self._globals]
 
   def rounds_closed(self) -> int:
-    """Rounds closed so far over all fragments (the sum of the fragment versions)."""
+    """Rounds closed so far over all fragments."""
     with self._lock:
-      return sum(self._versions)
+      return sum(self._rounds)
 
   def reference(self, fragment: int) -> tuple[int, np.ndarray]:
     """(version, a copy of R_version): exactly what a learner that adopted that version holds."""
@@ -607,6 +624,7 @@ class SyncerCore:
       self._versions = versions
       self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
+      self._version_round = [{v: r} for v, r in zip(self._versions, self._rounds)]
       self._t_sync = [float(t) for t in state["t_sync"]]
       counters = _new_counters()
       for k, v in state["counters"].items():

@@ -15,16 +15,17 @@ by at most one quantization error of one delta instead of drifting.
 The parent. With every learner in every round (K = M) each learner holds R_{v-1} when it waits for v, and
 parent(v) = v - 1. With a smaller quorum the global moves several times between two syncs of one
 learner, and a learner waits for the version that merges its own push while holding the version it last
-adopted, several behind. So parent(v) is the version most of round v's contributors hold (the base
-versions of its pushes; ties go to the newest), provided its reference is still kept: each learner gets
-one delta per sync, as under K = M, not the full fragment or a chain. The syncer keeps the references of
-its last `history` versions (memory: `history` fragments per fragment; 1 keeps only the latest, and
-parent(v) is then always v - 1).
+adopted, several behind. So a round is published from the versions its contributors hold (the base
+versions of its pushes), provided their references are still kept: once per distinct base, as
+consecutive versions carrying the same new global (the most held base last, so it is the latest). Each
+learner gets one delta per sync, as under K = M, not the full fragment or a chain; a round whose
+contributors all hold one version publishes one version. The syncer keeps the references of its last
+`history` versions (memory: `history` fragments per fragment; with 1, only the latest is kept and every
+round is one delta from it).
 
 A pull that holds R_u (`have_version == u`) gets the newest version >= its `min_version` that was published
 as a delta from u (kind "delta", `base_version` u); any other gets the latest R_v in fp32 (kind "full":
-joins, restarts, a contributor whose base was not its round's parent, learners that fell further behind
-than the references kept).
+joins, restarts, learners that fell further behind than the references kept).
 
 Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
 older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
@@ -71,36 +72,36 @@ class Downlink:
     self._deltas: list[dict[int, Published]] = [{} for _ in self.sizes]  # version -> delta from its parent
     self._full: list[Published | None] = [None] * len(self.sizes)  # built lazily: joins and laggards
 
-  def parent(self, p: int, held: Sequence[int] = ()) -> int:
-    """The version round v's delta starts from: the one most of `held` (its pushes' base versions) are,
-    among the references kept (ties: the newest), else the latest."""
-    refs = self._refs[p]
-    counts = collections.Counter(v for v in held if v in refs)
-    if not counts:
-      return self._versions[p]
-    return max(counts, key=lambda v: (counts[v], v))
+  def parents(self, p: int, held: Sequence[int] = ()) -> list[int]:
+    """The versions a round's publication starts from: every distinct one of `held` (its pushes' base
+    versions) whose reference is kept, the most held last (ties: the newest last); else the latest."""
+    counts = collections.Counter(v for v in held if v in self._refs[p])
+    return sorted(counts, key=lambda v: (counts[v], v)) or [self._versions[p]]
 
-  def commit(self, p: int, version: int, theta: np.ndarray, held: Sequence[int] = ()) -> None:
-    """Publish fragment p's new global `theta` at `version`; `held`: the base versions of the round's
-    pushes (what its contributors hold while they wait for this version)."""
+  def commit(self, p: int, version: int, theta: np.ndarray, held: Sequence[int] = ()) -> int:
+    """Publish fragment p's new global `theta` from `version` on; `held`: the base versions of the round's
+    pushes (what its contributors hold while they wait for it). Returns how many versions that took: one
+    per distinct base kept (each a delta from it, to the same theta), the most held one last."""
     self._full[p] = None
     refs = self._refs[p]
     if not self.is_delta:
       refs.clear()
       refs[version] = theta  # the core replaces (never mutates) its globals
       self._versions[p] = version
-      return
-    parent = self.parent(p, held)
-    payload = codec_lib.encode(theta - refs[parent], self.codec, self.block)
-    refs[version] = refs[parent] + codec_lib.decode(payload, self.codec, self.sizes[p], self.block)
-    self._deltas[p][version] = Published(fragment=p, version=version, codec=self.codec, payload=payload,
-                                         checksum=codec_lib.checksum(payload), kind="delta",
-                                         base_version=parent, epoch=self.epoch)
-    self._versions[p] = version
+      return 1
+    parents = self.parents(p, held)
+    for i, parent in enumerate(parents):
+      payload = codec_lib.encode(theta - refs[parent], self.codec, self.block)
+      refs[version + i] = refs[parent] + codec_lib.decode(payload, self.codec, self.sizes[p], self.block)
+      self._deltas[p][version + i] = Published(
+          fragment=p, version=version + i, codec=self.codec, payload=payload,
+          checksum=codec_lib.checksum(payload), kind="delta", base_version=parent, epoch=self.epoch)
+    self._versions[p] = version + len(parents) - 1
     while len(refs) > self.history:
       oldest = min(refs)
       del refs[oldest]
       self._deltas[p].pop(oldest, None)
+    return len(parents)
 
   def answer(self, p: int, min_version: int, have_version: int, have_epoch: int) -> Published:
     """The newest delta to a version >= `min_version` from the reference the puller holds, if one was
