@@ -214,9 +214,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       except ValueError as e:
         _fail("mesh", str(e))
       batch_ways = sizes["data"] * sizes["fsdp"]  # the batch is split over data and fsdp
-      if per_mesh_batch % batch_ways:
-        _fail("data.global_batch", f"per-mesh batch {per_mesh_batch} does not divide over the "
-              f"data*fsdp axes ({batch_ways} ways) of a {mesh_devices}-device mesh")
+      # Every mesh also evaluates batches of data.global_batch sequences (the same eval set everywhere).
+      for batch, what in ((per_mesh_batch, "per-mesh batch"), (d.global_batch, "eval batch")):
+        if batch % batch_ways:
+          _fail("data.global_batch", f"{what} {batch} does not divide over the data*fsdp axes "
+                f"({batch_ways} ways) of a {mesh_devices}-device mesh")
 
 
 def _validate_learner_set(c: ml_collections.ConfigDict) -> None:

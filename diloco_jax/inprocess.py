@@ -127,6 +127,8 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       results[i] = loop_lib.run_learner(learners[i], on_step=on_step, should_stop=lambda: bool(errors))
     except BaseException as e:  # noqa: BLE001 - reported below, and stops the other learners
       errors.append(e)
+      # Leave at once: the others may be waiting for this learner's contribution (K = M) while flushing.
+      learners[i].comms.close(leave=True)
 
   threads = [threading.Thread(target=work, args=(i,), name=f"learner{i}") for i in range(num)]
   for t in threads:

@@ -27,9 +27,10 @@ which keeps the merged norm from shrinking like 1/sqrt(M) when the outer gradien
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -119,9 +120,47 @@ def merge(deltas: Sequence[np.ndarray], coefficients: Sequence[float], rda: bool
   return direction * np.float32(radial / dnorm)
 
 
-def make_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
-  """The DiLoCo outer optimizer: SGD with Nesterov momentum (m = mu m + g; update = -lr (g + mu m))."""
-  return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+class OuterState(NamedTuple):
+  """The outer optimizer's state for one fragment."""
+
+  trace: jax.Array  # the Nesterov momentum m
+  pending: jax.Array  # the merged outer gradients since m last moved
+  share: jax.Array  # the share of a full round they hold (a float32 scalar in [0, 1))
+
+
+def make_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformationExtraArgs:
+  """The DiLoCo outer optimizer, SGD with Nesterov momentum, with the momentum moved once per full round
+  of work however many rounds that work arrives in.
+
+  A round that holds a full round's share of the learners' work (`share` = 1: K = M, or any round when
+  partial rounds are not scaled) takes the plain Nesterov step, m <- mu m + g, theta <- theta - lr (g +
+  mu m). A partial round (share < 1, e.g. one learner of four under K = 1) applies its gradient part
+  -lr g at once, and adds g to a pending sum; when the pending rounds add up to a full share, the
+  momentum moves once with their sum, m <- mu m + sum g, and theta <- theta - lr mu m. So the outer
+  trajectory does not depend on how a period of work is split into rounds: four quarter rounds move the
+  model as one full round with their sum would, instead of decaying the momentum four times per period
+  and amplifying every stale single-learner gradient through it (the momentum is where staleness hurts;
+  delayed Nesterov momentum, as in asynchronous Local-SGD).
+  """
+
+  def init(params):
+    return OuterState(jnp.zeros_like(params), jnp.zeros_like(params), jnp.zeros([], jnp.float32))
+
+  def update(grads, state, params=None, *, share=1.0, **extra):
+    del params, extra
+    pending = state.pending + grads
+    total = state.share + jnp.asarray(share, jnp.float32)
+    full = total >= 1.0 - _SHARE_EPS
+    trace = jnp.where(full, momentum * state.trace + pending, state.trace)
+    updates = -lr * (grads + jnp.where(full, momentum * trace, jnp.zeros_like(trace)))
+    carry = jnp.maximum(total - jnp.floor(total + _SHARE_EPS), 0.0)  # a share beyond a full round
+    return updates, OuterState(trace, jnp.where(full, jnp.zeros_like(pending), pending),
+                               jnp.where(full, carry, total))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+_SHARE_EPS = 1e-4  # shares are sums of token ratios: 0.25 * 4 must count as a full round
 
 
 def _cpu() -> jax.Device:
@@ -129,10 +168,10 @@ def _cpu() -> jax.Device:
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_step(tx: optax.GradientTransformation):
+def _jitted_step(tx: optax.GradientTransformationExtraArgs):
   # One jitted function per optimizer (jax caches the compilation per shape); lru_cache keeps tx alive.
-  def step(params, opt_state, grad):
-    updates, opt_state = tx.update(grad, opt_state, params)
+  def step(params, opt_state, grad, share):
+    updates, opt_state = tx.update(grad, opt_state, params, share=share)
     return optax.apply_updates(params, updates), opt_state
   return jax.jit(step)
 
@@ -143,16 +182,20 @@ def init_outer_state(tx: optax.GradientTransformation, global_vec: np.ndarray) -
 
 
 def outer_step(
-    tx: optax.GradientTransformation, global_vec: np.ndarray, opt_state: Any, merged_delta: np.ndarray
+    tx: optax.GradientTransformationExtraArgs, global_vec: np.ndarray, opt_state: Any, merged_delta: np.ndarray,
+    share: float = 1.0,
 ) -> tuple[np.ndarray, Any]:
-  """One outer step: the merged outer gradient is the optimizer's gradient. Returns the new global
-  fragment (a float32 numpy array) and the new optimizer state (on the host CPU device)."""
+  """One outer step: the merged outer gradient is the optimizer's gradient, `share` the share of a full
+  round of work the round held (`make_outer_optimizer`). Returns the new global fragment (a float32 numpy
+  array) and the new optimizer state (on the host CPU device)."""
   global_vec = np.asarray(global_vec, np.float32)
   merged_delta = np.asarray(merged_delta, np.float32)
   if global_vec.shape != merged_delta.shape:
     raise ValueError(f"global {global_vec.shape} and merged delta {merged_delta.shape} differ in shape")
-  params, opt_state, grad = jax.device_put((global_vec, opt_state, merged_delta), _cpu())
-  new_params, new_state = _jitted_step(tx)(params, opt_state, grad)
+  if not (np.isfinite(share) and share >= 0):
+    raise ValueError(f"a round's share must be finite and >= 0, got {share}")
+  params, opt_state, grad, share = jax.device_put((global_vec, opt_state, merged_delta, np.float32(share)), _cpu())
+  new_params, new_state = _jitted_step(tx)(params, opt_state, grad, share)
   return np.array(new_params, np.float32), new_state
 
 

@@ -189,8 +189,10 @@ class Comms:
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
 
   def close(self, leave: bool = True) -> None:
+    """Stop the workers and the heartbeat, then leave the quorum (`leave`). A sync still waiting for its
+    merged fragment is abandoned (its future fails): after a clean flush there is none."""
+    self._stop.set()  # first: a worker long-polling for a version that never comes must not hold us
     self._pool.shutdown(wait=True)
-    self._stop.set()
     if leave:
       try:
         self.transport.leave(self.learner_id)

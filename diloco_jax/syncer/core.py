@@ -139,7 +139,8 @@ class _Member:
   step_time_s: float = 0.0
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
-  period_weight: float = 0.0  # the merge rule's raw weight of its latest push: one period of its work
+  # Per fragment, the merge rule's raw weight of its latest push: one period of its work.
+  period_weights: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -192,15 +193,16 @@ def _new_counters() -> dict[str, Any]:
 
 def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why: str, live: Sequence[int],
                     staleness: Sequence[int], coefficients: Sequence[float], period_weight: float,
-                    answered: int, t_sync_s: float) -> dict:
+                    answered: int, t_sync_s: float, share: float) -> dict:
   """What a round decided, as plain JSON values (times in seconds from the round's opening).
 
   `contributions`: one entry per push in arrival order (learner, base version, staleness, steps, tokens,
   arrival, coefficient). `quorum_s`, `grace_s`, `step_times_s`, `t_sync_s`: the grace window and its inputs
   (`syncer/policy.py`), `waited_for`: the live learners not yet in at the quorum, `arrived_in_grace`: those
   of them that made it, `open_s`: how long the round stayed open, `close`: "all_in" (every live learner
-  contributed) or "deadline". `period_weight`, `answered_for`: W and the learners it sums over, `moved`:
-  the sum of the coefficients (1 for a full round of fresh pushes).
+  contributed) or "deadline". `period_weight`, `answered_for`: W and the learners it sums over, `share`:
+  the share of a full round of work the round held (1 for everyone's period; before the discount),
+  `moved`: the sum of the coefficients (the share with the staleness discount).
   """
   first = {}
   for c in rnd.contributions:
@@ -217,7 +219,8 @@ def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why
       "t_sync_s": rnd.t_sync_s, "waited_for": list(rnd.waited_for),
       "arrived_in_grace": [i for i in rnd.waited_for if i in first],
       "open_s": closed - rnd.opened, "merge_s": t_sync_s,
-      "period_weight": float(period_weight), "answered_for": answered, "moved": float(np.sum(coefficients)),
+      "period_weight": float(period_weight), "answered_for": answered, "share": share,
+      "moved": float(np.sum(coefficients)),
   }
 
 
@@ -281,7 +284,7 @@ class SyncerCore:
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
                                           step_time_s=old.step_time_s if old else 0.0,
-                                          period_weight=old.period_weight if old else 0.0)
+                                          period_weights=old.period_weights if old else {})
       self.counters["joins"] += 1
       return dict(enumerate(self._versions))
 
@@ -374,7 +377,7 @@ class SyncerCore:
         self._open[p] = _Round(opened=now)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
                                                        push.tokens, delta, now))
-      self._members[push.learner_id].period_weight = float(
+      self._members[push.learner_id].period_weights[p] = float(
           outer.raw_weights([push.tokens], [push.steps], s.merge_rule)[0])
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
@@ -444,19 +447,18 @@ class SyncerCore:
       return max(self._versions[p] - base_version, 0)
     return self._rounds[p] - published_at
 
-  def _coefficients_locked(self, rnd: _Round, live: list[int]) -> tuple[np.ndarray, float, int]:
+  def _coefficients_locked(self, p: int, rnd: _Round, live: list[int]) -> tuple[np.ndarray, float, int]:
     """(raw weights, W, learners answered for) of a round's pushes, for `outer.merge_coefficients`: W sums
-    one period weight (its latest push's) per contributor and, with `scale_partial_rounds`, per live
-    learner; a learner that never pushed counts as the mean of the others."""
+    one period weight per contributor and, with `scale_partial_rounds`, per live learner (its latest push
+    of this fragment's; a learner that never pushed it counts as the mean of the others)."""
     s = self.settings
     cs = rnd.contributions
     raw = outer.raw_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule)
     answered = set(rnd.contributors()) | (set(live) if s.scale_partial_rounds else set())
-    known = [self._members[i].period_weight for i in answered
-             if i in self._members and self._members[i].period_weight > 0]
+    weights = {i: self._members[i].period_weights.get(p, 0.0) if i in self._members else 0.0 for i in answered}
+    known = [w for w in weights.values() if w > 0]
     typical = statistics.fmean(known) if known else 0.0
-    period = sum(self._members[i].period_weight if i in self._members and self._members[i].period_weight > 0
-                 else typical for i in answered)
+    period = sum(w if w > 0 else typical for w in weights.values())
     return raw, period, len(answered)
 
   def _close_locked(self, p: int, why: str) -> None:
@@ -466,12 +468,15 @@ class SyncerCore:
     started = self.clock()
     cs = rnd.contributions
     live = self._live(started)
-    raw, period, answered = self._coefficients_locked(rnd, live)
+    raw, period, answered = self._coefficients_locked(p, rnd, live)
     staleness = [self._staleness_locked(p, c.base_version) for c in cs]
     coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
     merged = outer.merge([c.delta for c in cs], coefficients, rda=s.rda)
+    # The share of a full round's work this round holds (undiscounted): the outer momentum moves once
+    # per full share (`outer.make_outer_optimizer`).
+    share = float(np.sum(outer.merge_coefficients(raw, period, answered)))
     self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
-                                                             merged)
+                                                             merged, share)
     first = self._versions[p] + 1
     published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
@@ -489,7 +494,7 @@ class SyncerCore:
     if len(self._decisions) == self._decisions.maxlen:
       self.decisions_dropped += 1
     self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness,
-                                           coefficients, period, answered, took))
+                                           coefficients, period, answered, took, share))
 
   def drain_decisions(self) -> list[dict]:
     """The decision records of the rounds closed since the last call (oldest first), removed from the
