@@ -93,7 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.downlink_codec = "fp32"  # the global fragments sent back
   c.outer.codec_block = 64
   c.outer.fragment_plan = "strided"
-  c.outer.min_quorum = 0  # K; 0 = every live learner (a dead one stops counting once its lease lapses)
+  # K: 1 with the adaptive grace window (the default) never makes a learner wait for another; 0 = every
+  # live learner (K = M: the slowest gates every round; a dead one stops counting once its lease lapses).
+  c.outer.min_quorum = 1
   c.outer.scale_partial_rounds = True  # a round moves the model by the share of the live learners' work it holds
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
