@@ -15,8 +15,8 @@ on the machine does not change the emulated speeds). Each setting prints
   per round    distinct contributors per closed round; late: pushes based on an older version
   rx           bytes each learner received (the downlink), MiB
 
-then the data-parallel baseline on the same token budget (`train.steps` x `data.global_batch`) and the
-paper's three rows (8 learners, TPU v6e beside v5p). `--processes` runs each setting as a syncer and M
+then the data-parallel baseline on the same token budget (`train.steps` x `data.global_batch`, on one
+learner's devices: `baseline_config`) and the paper's three rows (8 learners, TPU v6e beside v5p). `--processes` runs each setting as a syncer and M
 learner processes over gRPC (`python -m diloco_jax local`) instead of one process; every run's files stay
 in `--workdir/<setting>` (the syncer's per-round decisions in `syncer/rounds.jsonl`).
 
@@ -104,6 +104,17 @@ def _with(config, fields: dict[str, object]):
       node = node[part]
     node[leaf] = value
   return c
+
+
+def baseline_config(config):
+  """The data-parallel baseline of the same run: the whole global batch per step for `train.steps` steps,
+  on one learner's devices unless `mesh.num_devices` says otherwise. The device count changes neither the
+  tokens nor the math (the global batch is split and the gradients averaged), only the speed; and an
+  all-reduce over all 8 fake CPU devices of a 2-core machine under load was seen to hang in XLA's CPU
+  collectives (fewer than 8 partitions reached the rendezvous)."""
+  if config.mesh.num_devices:
+    return config
+  return _with(config, {"mesh.num_devices": config_lib.learner_devices(config, 0)})
 
 
 def calibrate_step_s(config, steps: int = 40) -> float:
@@ -196,7 +207,7 @@ def run(config, *, settings, speeds, step_cv, step_s, workdir: pathlib.Path, pro
     # First, on a fresh backend (as `bench quality` does): its all-reduce over every device then does not
     # share the device threads with anything the learner runs left behind.
     log("bench hetero: data-parallel baseline on the same token budget ...")
-    dp = baseline.run(config, str(workdir / "dp"), quiet=True)
+    dp = baseline.run(baseline_config(config), str(workdir / "dp"), quiet=True)
     log(f"  eval loss {dp['final_eval_loss']:.4f}, {dp['wall_s']:.0f}s")
   if step_s == 0:
     log("bench hetero: measuring the step time of all learners at once ...")
@@ -292,7 +303,7 @@ def main(argv) -> int:
   probe = _with(config, {"learners.speeds": speeds, "learners.step_cv": step_cv})
   cli.validated(probe, len(jax.devices()), learners=True)
   if fv.baseline:
-    cli.validated(config, len(jax.devices()), learners=False)
+    cli.validated(baseline_config(config), len(jax.devices()), learners=False)
   root = pathlib.Path(fv.workdir)
   shutil.rmtree(root, ignore_errors=True)
   root.mkdir(parents=True)
