@@ -21,13 +21,15 @@ learners' reports), and t_sync a running average (EMA) of this fragment's merge 
 time, measured on the same clock. It closes early as soon as every live learner has contributed. Once the
 quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
 `c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight, staleness
-s_j = version - base_version, W the raw weight of one period of every learner the round answers for:
-with `scale_partial_rounds` every live learner and every contributor, each counted once with the weight
-of its latest push, else only the contributors), merge `sum_j c_j v_j` (`outer.merge`, optionally RDA),
-Nesterov outer step, version += 1, the new global fragment published for the downlink (below), and
-waiting pulls are woken. So a round holding part of the live learners' work moves the model by that share
-of a full round (k/n for equal learners; by tokens when their batches differ), a learner that pushed two
-periods into one round has both summed, and a lone stale push keeps its discount. A contribution that
+s_j the rounds closed since the push's base version, W the raw weight of one period of every learner the
+round answers for: with `scale_partial_rounds` every live learner and every contributor, each counted
+once with the weight of its latest push of this fragment, else only the contributors), merge
+`sum_j c_j v_j` (`outer.merge`, optionally RDA), the Nesterov outer step with the round's share of a full
+round (`outer.make_outer_optimizer`: the momentum moves once per full share), the new global fragment
+published for the downlink (below; one version, or one per distinct base version of the round's pushes),
+and waiting pulls are woken. So a round holding part of the live learners' work moves the model by that
+share of a full round (k/n for equal learners; by tokens when their batches differ), a learner that pushed
+two periods into one round has both summed, and a lone stale push keeps its discount. A contribution that
 arrives after its round's deadline goes into the next round (never lost); one based on an older version
 ("late") is merged with its staleness discount. The receipt of a push names the version that will merge
 it (`PushReceipt.version`): the learner waits for that one, not for any newer version than its base.
