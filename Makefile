@@ -4,9 +4,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# In-process runs emulate 8 accelerators with fake CPU devices (4 learners x 2 devices by default);
-# `local` gives each learner process its own.
-FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: run test test-slow bench clean
 
@@ -27,7 +24,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
-	$(FAKE_DEVICES) $(PY) -m diloco_jax bench step --config configs/small_cpu.py
+	$(PY) -m diloco_jax bench step --config configs/small_cpu.py
 
 clean:
 	rm -rf $(VENV) runs

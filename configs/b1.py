@@ -1,9 +1,15 @@
-"""~1B-parameter model (1.04B: 22 layers x 2048 wide, 16 query / 8 key-value heads of 128, SwiGLU 5632) for
-a TPU v5p slice: 8 learners of 16 chips each, parameters and AdamW state sharded ZeRO-3 style over `fsdp`.
+"""~1B-parameter model (1.1B: 22 layers x 2048 wide, 16 query / 8 key-value heads of 128, SwiGLU 5632,
+32,000-piece vocabulary) for a TPU v5p slice: 8 learners of 16 chips each, parameters and AdamW state
+sharded ZeRO-3 style over `fsdp`.
 
-The vocabulary is the byte-level 256 of the embedded corpus; a tokenizer-backed `data.path` with e.g.
-`--config.model.vocab_size=32000` would add 65.5M embedding parameters (tied).
-Token budget: Chinchilla's ~20 tokens/parameter, 20,000 steps x 512 x 2,048 = 21B tokens.
+The tied embedding is 65.5M of the count. Token budget: Chinchilla's ~20 tokens/parameter, 20,000 steps x
+512 x 2,048 = 21B tokens.
+
+Data: a 32,000-piece SentencePiece tokenizer and ArrayRecord token shards in `data/` (relative to where the
+command runs; every host needs them, or put them on gs:// and override `data.tokenizer`, `data.train_files`
+and `data.eval_files`, e.g. `--config.data.tokenizer=gs://BUCKET/data/tokenizer.model`). Prepare them once:
+  python -m diloco_jax tokenizer --data CORPUS --vocab 32000 --out data/tokenizer.model
+  python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data CORPUS --out data/tokens --shards 256
 
 Run (on the TPU VM hosts; 8 learners x 16 chips = 128 chips, e.g. v5p-256):
   python -m diloco_jax train --config configs/b1.py --workdir gs://BUCKET/runs/b1
@@ -11,12 +17,12 @@ Run (on the TPU VM hosts; 8 learners x 16 chips = 128 chips, e.g. v5p-256):
   python -m diloco_jax bench step --config configs/b1.py --devices 16
 """
 
-from diloco_jax.config import base_config
+from diloco_jax.config import base_config, use_token_shards
 
 
 def get_config():
   c = base_config()
-  c.model.vocab_size = 256
+  use_token_shards(c, "data", vocab_size=32_000)
   c.model.d_model = 2048
   c.model.num_layers = 22
   c.model.num_heads = 16

@@ -1,10 +1,15 @@
-"""~12B-parameter model (12.1B: 44 layers x 5120 wide, 40 query / 8 key-value heads of 128, SwiGLU 13824)
-for a TPU v5p slice: 8 learners of 64 chips each, each learner's mesh fsdp=16 x tensor=4 (heads, kv heads,
-MLP and vocab split 4 ways; the model dimension 16 ways).
+"""~12B-parameter model (12.3B: 44 layers x 5120 wide, 40 query / 8 key-value heads of 128, SwiGLU 13824,
+32,000-piece vocabulary) for a TPU v5p slice: 8 learners of 64 chips each, each learner's mesh fsdp=16 x
+tensor=4 (heads, kv heads, MLP and vocab split 4 ways; the model dimension 16 ways).
 
-The vocabulary is the byte-level 256 of the embedded corpus; a tokenizer-backed `data.path` with e.g.
-`--config.model.vocab_size=32000` would add 164M embedding parameters (tied).
-Token budget: 120,000 steps x 1,024 x 2,048 = 252B tokens (~20 tokens/parameter).
+The tied embedding is 164M of the count. Token budget: 120,000 steps x 1,024 x 2,048 = 252B tokens (~20
+tokens/parameter).
+
+Data: a 32,000-piece SentencePiece tokenizer and ArrayRecord token shards in `data/` (relative to where the
+command runs; every host needs them, or put them on gs:// and override `data.tokenizer`, `data.train_files`
+and `data.eval_files`, e.g. `--config.data.tokenizer=gs://BUCKET/data/tokenizer.model`). Prepare them once:
+  python -m diloco_jax tokenizer --data CORPUS --vocab 32000 --out data/tokenizer.model
+  python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data CORPUS --out data/tokens --shards 1024
 
 Run (on the TPU VM hosts; 8 learners x 64 chips = 512 chips, e.g. 8 x v5p-128):
   python -m diloco_jax train --config configs/b12.py --workdir gs://BUCKET/runs/b12
@@ -12,12 +17,12 @@ Run (on the TPU VM hosts; 8 learners x 64 chips = 512 chips, e.g. 8 x v5p-128):
   python -m diloco_jax bench step --config configs/b12.py --devices 64
 """
 
-from diloco_jax.config import base_config
+from diloco_jax.config import base_config, use_token_shards
 
 
 def get_config():
   c = base_config()
-  c.model.vocab_size = 256
+  use_token_shards(c, "data", vocab_size=32_000)
   c.model.d_model = 5120
   c.model.num_layers = 44
   c.model.num_heads = 40

@@ -1,10 +1,16 @@
-"""~150M-parameter model (154.4M: 12 layers x 1024 wide, SwiGLU 2816) for a TPU v5p slice: 8 learners of
-4 chips each, pure data parallelism inside a learner (the model and its AdamW state fit on one chip).
+"""~150M-parameter model (155.3M: 12 layers x 896 wide, 16 heads of 64, SwiGLU 2560, 32,000-piece vocabulary)
+for a TPU v5p slice: 8 learners of 4 chips each, pure data parallelism inside a learner (the model and its
+AdamW state fit on one chip).
 
-Shapes follow the DiLoCo / Chinchilla-style 150M decoder (12 layers, 16 heads of 64). The vocabulary is
-the byte-level 256 of the embedded corpus, so the count is nearly all transformer blocks; a tokenizer-backed
-`data.path` with e.g. `--config.model.vocab_size=32000` would add 32.8M embedding parameters (tied).
-Token budget: Chinchilla's ~20 tokens/parameter, 6,000 steps x 256 x 2,048 = 3.1B tokens.
+Shapes follow the DiLoCo / Chinchilla-style 150M decoder (12 layers x 896, 16 heads of 64); the tied
+embedding is 28.7M of the count. Token budget: Chinchilla's ~20 tokens/parameter, 6,000 steps x 256 x
+2,048 = 3.1B tokens.
+
+Data: a 32,000-piece SentencePiece tokenizer and ArrayRecord token shards in `data/` (relative to where the
+command runs; every host needs them, or put them on gs:// and override `data.tokenizer`, `data.train_files`
+and `data.eval_files`, e.g. `--config.data.tokenizer=gs://BUCKET/data/tokenizer.model`). Prepare them once:
+  python -m diloco_jax tokenizer --data CORPUS --vocab 32000 --out data/tokenizer.model
+  python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data CORPUS --out data/tokens --shards 64
 
 Run (on the TPU VM hosts; 8 learners x 4 chips = 32 chips, e.g. v5p-64):
   python -m diloco_jax train --config configs/m150.py --workdir gs://BUCKET/runs/m150
@@ -12,18 +18,18 @@ Run (on the TPU VM hosts; 8 learners x 4 chips = 32 chips, e.g. v5p-64):
   python -m diloco_jax bench step --config configs/m150.py --devices 4
 """
 
-from diloco_jax.config import base_config
+from diloco_jax.config import base_config, use_token_shards
 
 
 def get_config():
   c = base_config()
-  c.model.vocab_size = 256
-  c.model.d_model = 1024
+  use_token_shards(c, "data", vocab_size=32_000)
+  c.model.d_model = 896
   c.model.num_layers = 12
   c.model.num_heads = 16
   c.model.num_kv_heads = 16
   c.model.head_dim = 64
-  c.model.mlp_dim = 2816
+  c.model.mlp_dim = 2560
   c.model.max_seq_len = 2048
   c.model.dtype = "bfloat16"
   c.model.remat = True

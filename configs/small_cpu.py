@@ -4,8 +4,7 @@ Sized for a 2-core machine with 8 fake CPU devices: the data-parallel baseline t
 minutes (compile included), eval loss falling from ~5.5 to well under 3. The Decoupled DiLoCo run uses the
 same config and token budget: 4 learners of 2 devices each, each reading a quarter of the global batch.
 
-Run:
-  export XLA_FLAGS=--xla_force_host_platform_device_count=8
+Run (on a CPU-only machine the commands give themselves the fake CPU devices they need):
   python -m diloco_jax baseline --config configs/small_cpu.py --workdir runs/small_dp
   python -m diloco_jax train --config configs/small_cpu.py --workdir runs/small
   python -m diloco_jax bench step --config configs/small_cpu.py --steps 20

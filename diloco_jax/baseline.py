@@ -6,37 +6,44 @@ DiLoCo comparison is measured against.
 The whole global batch is split over one mesh of all (or `mesh.num_devices`) devices. Communication is
 reported as what a ring all-reduce of the fp32 gradients moves per worker: 2 (n-1)/n x gradient bytes per
 step, with n the number of data-parallel workers (the mesh's data x fsdp ways).
+
+It trains on `mesh.num_devices` devices, by default all; on a machine whose only backend is the CPU it
+gives itself `learners.num * learners.devices` fake CPU devices, the Decoupled DiLoCo run's (an explicit
+XLA_FLAGS=--xla_force_host_platform_device_count=N wins). Output in the workdir: `summary.json`,
+`config.json` (fingerprint beside it), `metrics.jsonl` and TensorBoard event files under the same tags as
+the learners' and the global model's (`train/loss`, `eval/loss`, `comm/bytes`), checkpoints, `plots/`.
 """
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import jax
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import config as config_lib
+from diloco_jax import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
+from diloco_jax import plot as plot_lib
 from diloco_jax import trainer as trainer_lib
 
 
-def ring_allreduce_bytes(num_params: int, workers: int, bytes_per_param: int = 4) -> float:
-  """Bytes one worker sends and receives in a ring all-reduce of the gradient, per step."""
-  return 2.0 * (workers - 1) / workers * num_params * bytes_per_param
-
-
-def run(config, workdir: str, *, quiet: bool = False) -> dict:
-  """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json)."""
+def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
+  """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json). With
+  `export`, the final parameters go to `<workdir>/model`, as a Decoupled DiLoCo run's global model does."""
   devices = jax.devices()[: config.mesh.num_devices or None]
   t0 = time.perf_counter()
   trainer = trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch)
   resumed = trainer.restore()
   workers = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
   params = trainer.num_params
-  per_step_bytes = ring_allreduce_bytes(params, workers)
+  per_step_bytes = metrics_lib.ring_allreduce_bytes(params, workers)
   flops = model_lib.flops_per_token(config.model, config.data.seq_len)
-  log = metrics_lib.MetricsLog(workdir)
+  config_lib.save_resolved(config, workdir)
+  log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.BASELINE_TAGS)
   if not quiet:
     print(f"baseline: {params:,} params, {flops / 1e6:.1f} MFLOPs/token, mesh {dict(trainer.mesh.shape)}, "
           f"all-reduce {per_step_bytes / 2**20:.2f} MiB/worker/step" + (f", resumed at step {trainer.step}" if resumed else ""))
@@ -67,21 +74,30 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "comm_bytes": per_step_bytes * trainer.step, "comm_bytes_per_step": per_step_bytes,
       "flops_per_token": flops, "initial_eval_loss": initial_eval_loss,
   }
+  if export:
+    summary["model"] = str(export_lib.export(
+        pathlib.Path(workdir) / "model", config, trainer.state.params, source="baseline", steps=trainer.step,
+        tokens=trainer.tokens, final_eval_loss=eval_loss))
   metrics_lib.write_summary(workdir, summary)
   log.close()
   if not quiet:
     print(f"baseline done: eval loss {eval_loss:.4f}, {trainer.tokens:,} tokens in {wall:.1f}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json")
+          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json"
+          + (f", model in {summary['model']}" if export else ""))
+    print(plot_lib.outputs(workdir, "baseline"))
   return summary
 
 
 def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).", flag_values=fv,
                       required=True)
+  flags.DEFINE_bool("export", True, "export the final model to WORKDIR/model", flag_values=fv)
 
 
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
-  config = cli.validated(fv.config, len(jax.devices()), learners=False)
-  run(config, fv.workdir)
+  c = fv.config
+  need = c.mesh.num_devices or c.learners.num * c.learners.devices
+  config = cli.validated(c, len(cli.devices(need, "baseline")), learners=False)
+  run(config, fv.workdir, export=fv.export)
   return 0

@@ -1,20 +1,38 @@
 """Trainer checkpoints: an async orbax CheckpointManager of the train state (parameters, optimizer state,
 step), the data iterator's state and a few counters. A run started on a workdir that holds a checkpoint
-resumes from the latest one."""
+resumes from the latest one.
+
+Directories are local paths or URLs such as `gs://bucket/run` (etils epath, as orbax uses; a `pathlib`
+path would turn `gs://` into a local folder named `gs:`). A learner spanning several processes writes
+each checkpoint from all of them at once (orbax coordinates them through `jax.distributed`): each process
+writes the shards its devices hold, process 0 the metadata, so the directory must be one that every process
+reaches (`gs://` on Cloud TPU, where each host has its own disk).
+"""
 
 from __future__ import annotations
 
 import os
-import pathlib
 import threading
 from typing import Any
 
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 # Several managers saving the same step at once from threads of one process (the in-process learners)
 # trip over each other's temporary directories in orbax; such saves go one at a time.
 _THREADED_SAVES = threading.Lock()
+
+
+def as_path(directory: str | os.PathLike) -> epath.Path:
+  """`directory` as an epath: URLs (`gs://...`) unchanged, local paths made absolute."""
+  text = os.fspath(directory)
+  return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def join(directory: str | os.PathLike, *names: str) -> epath.Path:
+  """`directory / names...`, keeping a URL a URL."""
+  return as_path(directory).joinpath(*names)
 
 
 class TrainCheckpointer:
@@ -25,7 +43,7 @@ class TrainCheckpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, keep: int = 2, async_save: bool = True):
-    self.directory = pathlib.Path(directory).absolute()
+    self.directory = as_path(directory)
     self._async = async_save
     self._manager = ocp.CheckpointManager(
         self.directory,

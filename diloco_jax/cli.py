@@ -21,6 +21,7 @@ class UsageError(SystemExit):
 
 
 CACHE_ENV = "DILOCO_JAX_CACHE"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def enable_compilation_cache() -> None:
@@ -35,10 +36,42 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def devices(count: int, command: str) -> list:
+  """`jax.devices()`, with `count` fake CPU devices when the CPU is the only backend.
+
+  Call before anything starts jax's backend. Unless the user chose a CPU device count (XLA_FLAGS with
+  --xla_force_host_platform_device_count, or $JAX_NUM_CPU_DEVICES), this sets `jax_num_cpu_devices` to
+  `count` and, if the CPU turns out to be the only platform, says so in one line on stderr. On a machine
+  with accelerators the setting only shapes the host's CPU backend, which no training step uses.
+  """
+  import jax  # lazy: see enable_compilation_cache
+
+  chosen = DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES")
+  asked = False
+  if not chosen:
+    try:
+      jax.config.update("jax_num_cpu_devices", int(count))
+      asked = True
+    except RuntimeError:  # the backend already started (an embedding program chose its devices)
+      pass
+  available = jax.devices()
+  if asked and available[0].platform == "cpu":
+    print(f"{command}: no accelerator: running on {len(available)} fake CPU devices (jax_num_cpu_devices); "
+          f"XLA_FLAGS={DEVICE_COUNT_FLAG}=N chooses another count", file=sys.stderr, flush=True)
+  return available
+
+
 def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
           doc: str = "", *, config: bool = True) -> flags.FlagValues:
+  """`parse_with_args` without the positional arguments."""
+  return parse_with_args(argv, define_extra, doc, config=config)[0]
+
+
+def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None = None,
+                    doc: str = "", *, config: bool = True) -> tuple[flags.FlagValues, list[str]]:
   """Parse `argv` (argv[0] is the program name) into a fresh FlagValues, with a required `--config` (and
-  the XLA compilation cache on) unless `config=False` (commands that train nothing).
+  the XLA compilation cache on) unless `config=False` (commands that train nothing). Returns the flags and
+  the positional arguments.
 
   An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
   message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
@@ -57,7 +90,7 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
           else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
   try:
-    fv(argv)
+    args = fv(argv)[1:]
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
@@ -66,16 +99,39 @@ def parse(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | No
     raise UsageError(f"{detail} (see {argv[0]} --help)") from None
   if config and fv.config is None:
     raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
-  return fv
+  return fv, args
 
 
-def validated(config, num_devices: int | None, *, learners: bool):
-  """config_lib.validate with a clean exit instead of a traceback."""
+def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
+  """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
+  the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
   # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
   from diloco_jax import config as config_lib
+  from diloco_jax import data as data_lib
 
   try:
     config_lib.validate(config, num_devices, learners=learners)
+    if learners:
+      check_fragment_plan(config)
+    if data:
+      data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
   return config
+
+
+def check_fragment_plan(config) -> None:
+  """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
+  that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
+  from diloco_jax import config as config_lib  # lazy, as in `validated`
+  from diloco_jax import fragments
+  from diloco_jax import model
+
+  o = config.outer
+  try:
+    fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
+  except ValueError as e:
+    message = str(e)
+    field = next((f for f in ("outer.sync_every", "outer.fragment_plan") if message.startswith(f)),
+                 "outer.num_fragments")
+    raise config_lib.ConfigError(f"config.{field}: {message}") from None

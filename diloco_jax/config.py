@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import pathlib
 
 import ml_collections
 
@@ -41,7 +43,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = False
 
   c.data = ml_collections.ConfigDict()
-  c.data.path = ""  # "" = the embedded corpus (this interpreter's standard library sources)
+  c.data.format = "bytes"  # "bytes": byte-level text read at start; "array_record": pre-tokenized shards
+  c.data.path = ""  # bytes: "" = the embedded corpus (this interpreter's standard library sources)
+  c.data.tokenizer = ""  # array_record: the SentencePiece model (`python -m diloco_jax tokenizer`)
+  c.data.train_files = ""  # array_record: glob pattern(s) of train shards (`python -m diloco_jax tokenize`)
+  c.data.eval_files = ""  # array_record: glob pattern(s) of eval shards
   c.data.seq_len = 128
   c.data.global_batch = 16  # sequences per step over the whole run (all learners together)
   c.data.eval_fraction = 0.05  # of files, held out for eval (file-level split)
@@ -77,6 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners.speeds = ()  # one speed factor per learner; () = all 1 (no emulation unless step_cv > 0)
   c.learners.step_cv = 0.0
   c.learners.step_s = 0.0  # a speed-1 learner's step time; 0 = the learner's own measured (median) step
+  # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
+  c.learners.peer_timeout_s = 60.0
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -100,9 +108,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
   c.outer.max_grace_s = 5.0
-  c.outer.max_in_flight = 2  # fragments pushed but not yet adopted, per learner
+  c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
   c.outer.downlink_history = 0  # references kept per fragment for delta downlinks; 0 = 2 x learners.num
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
+  c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
@@ -112,6 +121,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
+  c.comms.shutdown_grace_s = 30.0  # after SIGTERM/SIGINT the final flush gets this long, then it is abandoned
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -120,10 +130,28 @@ def base_config() -> ml_collections.ConfigDict:
   c.syncer.rate_limit_per_s = 50.0  # calls per learner per second, sustained (0 = unlimited)
   c.syncer.rate_limit_burst = 200.0
   c.syncer.max_pull_wait_s = 60.0  # long-poll cap of one Pull
+  c.syncer.stream_stall_s = 10.0  # a Push or Pull stream that moves no payload bytes this long is cut
+  c.syncer.stream_deadline_s = 600.0  # no Push or Pull stream lasts longer (long-poll wait excluded)
+  c.syncer.data_plane = True  # also serve push/pull payloads on a raw-TCP port (gRPC stays the control plane)
+  c.syncer.merge_threads = 0  # threads of a round's merge, outer step and downlink encode; 0 = the cores, <= 8
   c.syncer.checkpoint_every_rounds = 10  # closed rounds (over all fragments) between checkpoints; 0 = at stop
   c.syncer.keep_checkpoints = 3
   c.syncer.shutdown_grace_s = 2.0  # in-flight calls get this long after SIGTERM/SIGINT
   return c
+
+
+def use_token_shards(c: ml_collections.ConfigDict, directory: str, vocab_size: int) -> None:
+  """Point config `c` at tokenized data prepared in `directory` (local or gs://) by the two commands
+
+    python -m diloco_jax tokenizer --data TEXT --vocab VOCAB --out DIRECTORY/tokenizer.model
+    python -m diloco_jax tokenize --tokenizer DIRECTORY/tokenizer.model --data TEXT --out DIRECTORY/tokens
+
+  (the tokenizer has `vocab_size` pieces, which the model's vocabulary must match)."""
+  c.data.format = "array_record"
+  c.data.tokenizer = f"{directory}/tokenizer.model"
+  c.data.train_files = f"{directory}/tokens/train-*.array_record"
+  c.data.eval_files = f"{directory}/tokens/eval-*.array_record"
+  c.model.vocab_size = vocab_size
 
 
 def _fail(field: str, message: str):
@@ -143,6 +171,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   if m.dtype not in ("float32", "bfloat16"):
     _fail("model.dtype", f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
   d = c.data
+  if d.format not in ("bytes", "array_record"):
+    _fail("data.format", f"must be 'bytes' or 'array_record', got {d.format!r}")
+  if d.format == "bytes" and m.vocab_size != 256:
+    _fail("model.vocab_size", f"must be 256 with data.format='bytes' (a token is a byte), got {m.vocab_size}")
+  if d.format == "array_record":
+    for f in ("tokenizer", "train_files", "eval_files"):
+      if not d[f]:
+        _fail(f"data.{f}", "is required with data.format='array_record'")
   if d.seq_len < 2:
     _fail("data.seq_len", f"must be >= 2, got {d.seq_len}")
   if d.seq_len > m.max_seq_len:
@@ -169,6 +205,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail(f"mesh.{k}", f"must be >= 1 or -1 (fill), got {v}")
   if m.num_kv_heads % max(c.mesh.tensor, 1):
     _fail("mesh.tensor", f"({c.mesh.tensor}) must divide model.num_kv_heads ({m.num_kv_heads})")
+  if c.syncer.merge_threads < 0:
+    _fail("syncer.merge_threads", f"must be >= 0 (0: this host's cores, at most 8), got {c.syncer.merge_threads}")
   o = c.outer
   if learners:
     if c.learners.num < 1:
@@ -192,12 +230,21 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
-    if o.max_in_flight < 1:
-      _fail("outer.max_in_flight", f"must be >= 1, got {o.max_in_flight}")
+    if o.max_in_flight < 0:
+      _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if o.downlink_history < 0:
       _fail("outer.downlink_history", f"must be >= 0 (0: 2 x learners.num), got {o.downlink_history}")
+    if not o.max_norm_ratio >= 0:
+      _fail("outer.max_norm_ratio", f"must be >= 0 (0 = off), got {o.max_norm_ratio}")
+    if not c.comms.shutdown_grace_s >= 0:
+      _fail("comms.shutdown_grace_s", f"must be >= 0, got {c.comms.shutdown_grace_s}")
+    for field in ("stream_stall_s", "stream_deadline_s"):
+      if not c.syncer[field] > 0:
+        _fail(f"syncer.{field}", f"must be > 0, got {c.syncer[field]}")
+    if not c.learners.peer_timeout_s > 0:
+      _fail("learners.peer_timeout_s", f"must be > 0, got {c.learners.peer_timeout_s}")
   if num_devices is not None:
     if learners:
       counts = [learner_devices(c, i) for i in range(c.learners.num)]
@@ -250,9 +297,10 @@ def _validate_learner_set(c: ml_collections.ConfigDict) -> None:
 
 
 def learner_devices(c: ml_collections.ConfigDict, learner_id: int) -> int:
-  """Devices of learner `learner_id`: `learners.device_counts[i]`, else `learners.devices`."""
+  """Devices of learner `learner_id`: `learners.device_counts[i]`, else `learners.devices` (also for an id
+  beyond a too-short `device_counts`, which `validate` refuses: callers may size devices before that)."""
   counts = tuple(c.learners.device_counts)
-  return int(counts[learner_id]) if counts else int(c.learners.devices)
+  return int(counts[learner_id]) if learner_id < len(counts) else int(c.learners.devices)
 
 
 def learner_batch(c: ml_collections.ConfigDict, learner_id: int) -> int:
@@ -283,3 +331,27 @@ def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:
 
   blob = json.dumps({"run_id": run_id, **{f: get(f) for f in _FINGERPRINT_FIELDS}}, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+CONFIG_FILE = "config.json"
+FINGERPRINT_FILE = "fingerprint.txt"
+
+
+def save_resolved(c: ml_collections.ConfigDict, workdir: str | os.PathLike, run_id: str = "") -> pathlib.Path:
+  """Writes the config as this process runs it (after every override) to `<workdir>/config.json`, and its
+  run fingerprint to `<workdir>/fingerprint.txt` beside it; returns the config file's path. Both are
+  replaced atomically (a run resumed with other overrides records the ones it resumed with)."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  files = {CONFIG_FILE: c.to_json_best_effort(indent=2, sort_keys=True) + "\n",
+           FINGERPRINT_FILE: f"{fingerprint(c, run_id)}\n"}
+  for name, text in files.items():
+    tmp = workdir / f"{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(workdir / name)
+  return workdir / CONFIG_FILE
+
+
+def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+  """The config a run saved with `save_resolved` (its fingerprint matches the saved one)."""
+  return ml_collections.ConfigDict(json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text()))

@@ -17,15 +17,23 @@ Two plans:
   largest first, into the currently lightest fragment (ties: the lower fragment index; groups of equal
   size are taken in path order), which evens out the bytes per sync when the embedding is large.
 
-Every leaf is in exactly one fragment, and no fragment may be empty: a P larger than the number of groups
-raises ValueError naming `outer.num_fragments`.
+Splitting. When the groups run out before P fragments (P = H, one fragment due every step, as Decoupled
+DiLoCo does, asks for more fragments than a model has layers), the plan takes the largest P' < P for which
+the rule above fills every fragment with at least half of the final mean (total / P / 2; else simply the
+largest P' it fills: no sliver such as a final norm alone keeps a sync slot to itself), then splits the largest fragment's flat vector in two (ties: the lower
+index; the cut at its middle element, moved to the nearest row boundary of the leaf it falls in when that
+leaves both halves non-empty) and puts the second half right after it, until there are P. A fragment is
+then a list of pieces `(path, start, stop)`: ranges of flattened leaves (`FragmentPlan.ranges`), whole
+leaves unless split. Every element of every leaf is in exactly one fragment; a P that cannot be reached
+(more fragments than elements, or than `sync_every` allows) raises ValueError naming
+`outer.num_fragments`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -40,19 +48,34 @@ class FragmentPlan:
   num_fragments: int
   sync_every: int
   paths: tuple[tuple[str, ...], ...]  # paths[p]: sorted leaf paths in fragment p
-  shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[p][i]: the shape of paths[p][i]
+  shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[p][i]: the (whole) shape of paths[p][i]
   offsets: tuple[int, ...]  # offsets[p] in [0, sync_every)
+  # ranges[p][i]: the (start, stop) of paths[p][i]'s flattened elements in fragment p (all of them unless
+  # the leaf was split, see the module docstring). Fragment p's vector: these pieces, in order.
+  ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+  def __post_init__(self):
+    if not self.ranges:  # whole leaves
+      object.__setattr__(self, "ranges", tuple(tuple((0, math.prod(s)) for s in shapes) for shapes in self.shapes))
 
   def size(self, p: int) -> int:
     """Number of float elements in fragment p (the length of its flat vector)."""
-    return sum(math.prod(s) for s in self.shapes[p])
+    return sum(b - a for a, b in self.ranges[p])
+
+  def pieces(self, p: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """Fragment p's pieces (path, whole leaf shape, start, stop), in the order of its vector."""
+    return [(path, shape, a, b) for path, shape, (a, b) in zip(self.paths[p], self.shapes[p], self.ranges[p])]
+
+  def fragments_of(self, path: str) -> list[int]:
+    """The fragments that hold (a piece of) leaf `path`, in order."""
+    return [p for p, paths in enumerate(self.paths) if path in paths]
 
   def fragment_of(self, path: str) -> int:
-    """The fragment that holds leaf `path` (KeyError if none)."""
-    for p, paths in enumerate(self.paths):
-      if path in paths:
-        return p
-    raise KeyError(path)
+    """The fragment that holds leaf `path`, the first one if the leaf was split (KeyError if none)."""
+    owners = self.fragments_of(path)
+    if not owners:
+      raise KeyError(path)
+    return owners[0]
 
 
 def _iter_leaves(tree: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -111,6 +134,57 @@ def make_plan(params: Any, num_fragments: int, sync_every: int, kind: str = "str
   leaves = list(_iter_leaves(params))
   if not leaves:
     raise ValueError("params hold no leaves")
+  total = sum(math.prod(_shape(leaf)) for _, leaf in leaves)
+  if num_fragments > total:
+    raise ValueError(f"outer.num_fragments ({num_fragments}) exceeds the {total} parameters to split")
+  by_fragment = _group_plan(leaves, num_fragments, kind)
+  if by_fragment is None:  # split: start from the most whole-group fragments that are not slivers
+    floor = total / num_fragments / 2
+    plans = [plan for plan in (_group_plan(leaves, base, kind) for base in range(num_fragments - 1, 0, -1))
+             if plan is not None]
+    by_fragment = next((plan for plan in plans if min(_elements(f) for f in plan) >= floor), plans[0])
+  frags = [[(path, shape, 0, math.prod(shape)) for path, shape in sorted(f.items())] for f in by_fragment]
+  while len(frags) < num_fragments:
+    sizes = [sum(b - a for *_, a, b in f) for f in frags]
+    p = max(range(len(frags)), key=lambda i: (sizes[i], -i))
+    frags[p:p + 1] = _split(frags[p], sizes[p])
+  offsets = tuple(int(round(p * sync_every / num_fragments)) for p in range(num_fragments))
+  return FragmentPlan(num_fragments=num_fragments, sync_every=sync_every,
+                      paths=tuple(tuple(x[0] for x in f) for f in frags),
+                      shapes=tuple(tuple(x[1] for x in f) for f in frags), offsets=offsets,
+                      ranges=tuple(tuple((x[2], x[3]) for x in f) for f in frags))
+
+
+def _elements(fragment: dict[str, tuple[int, ...]]) -> int:
+  return sum(math.prod(shape) for shape in fragment.values())
+
+
+def _split(pieces: list[tuple[str, tuple[int, ...], int, int]], size: int) -> list[list]:
+  """A fragment's pieces cut in two at its middle element (moved to a row boundary of the leaf it falls in
+  when both halves stay non-empty)."""
+  cut = size // 2
+  first, second, seen = [], [], 0
+  for path, shape, a, b in pieces:
+    n = b - a
+    if seen + n <= cut:
+      first.append((path, shape, a, b))
+    elif seen >= cut:
+      second.append((path, shape, a, b))
+    else:
+      at = a + cut - seen  # within the leaf's flat range (a, b)
+      row = math.prod(shape[1:]) if len(shape) > 1 else 1
+      aligned = a + round((at - a) / row) * row
+      if a < aligned < b:
+        at = aligned
+      first.append((path, shape, a, at))
+      second.append((path, shape, at, b))
+    seen += n
+  return [first, second]
+
+
+def _group_plan(leaves: list[tuple[tuple, Any]], P: int, kind: str) -> list[dict[str, tuple[int, ...]]] | None:
+  """{path: shape} per fragment under the strided or balanced rule with P fragments, or None if some
+  fragment would be empty."""
   groups: dict[str, list[tuple[str, Any]]] = {}
   layer_of: dict[str, int | None] = {}
   for keys, leaf in leaves:
@@ -118,7 +192,6 @@ def make_plan(params: Any, num_fragments: int, sync_every: int, kind: str = "str
     groups.setdefault(name, []).append((_path_str(keys), leaf))
     layer_of[name] = layer
 
-  P = num_fragments
   assign: dict[str, int] = {}
   if kind == "strided":
     for name, layer in layer_of.items():
@@ -130,8 +203,7 @@ def make_plan(params: Any, num_fragments: int, sync_every: int, kind: str = "str
         assign[name] = 0
   else:
     if P > len(groups):
-      raise ValueError(f"outer.num_fragments ({P}) exceeds the {len(groups)} parameter groups "
-                       f"(layers and top-level modules) that the balanced plan can spread")
+      return None
     size = {name: sum(_nbytes(leaf) for _, leaf in members) for name, members in groups.items()}
     load = [0] * P
     # Largest first into the lightest bin: the classic LPT greedy, within 4/3 of the best split.
@@ -144,14 +216,19 @@ def make_plan(params: Any, num_fragments: int, sync_every: int, kind: str = "str
   for name, members in groups.items():
     for path, leaf in members:
       by_fragment[assign[name]][path] = _shape(leaf)
-  empty = [p for p in range(P) if not by_fragment[p]]
-  if empty:
-    raise ValueError(f"outer.num_fragments ({P}) is too large for the {kind} plan of these params: "
-                     f"fragments {empty} would be empty")
-  paths = tuple(tuple(sorted(f)) for f in by_fragment)
-  shapes = tuple(tuple(f[path] for path in ps) for f, ps in zip(by_fragment, paths))
-  offsets = tuple(int(round(p * sync_every / P)) for p in range(P))
-  return FragmentPlan(num_fragments=P, sync_every=sync_every, paths=paths, shapes=shapes, offsets=offsets)
+  if any(not f for f in by_fragment):
+    return None
+  return by_fragment
+
+
+def in_flight_limit(max_in_flight: int, num_fragments: int, sync_every: int, tau: int) -> int:
+  """The fragments a learner may have pushed and not yet adopted: `max_in_flight`, or with 0 what the
+  schedule keeps in flight, ceil(tau x P / H) + 1: a snapshot every H / P steps, each adopted tau steps
+  later, plus one whose sync is still on its way (2 for P = 2, H = 20, tau = 2; tau + 1 for P = H). A
+  smaller limit makes the learner wait at every snapshot."""
+  if max_in_flight > 0:
+    return max_in_flight
+  return -(-tau * num_fragments // sync_every) + 1
 
 
 def due_fragments(plan: FragmentPlan, step: int) -> list[int]:
@@ -163,32 +240,96 @@ def due_fragments(plan: FragmentPlan, step: int) -> list[int]:
 
 
 def gather(plan: FragmentPlan, params: Any, p: int) -> np.ndarray:
-  """Fragment p of `params` (nested dict or `{path: array}`) as one flat float32 host vector, its leaves
+  """Fragment p of `params` (nested dict or `{path: array}`) as one flat float32 host vector, its pieces
   concatenated in plan order. jax arrays are copied to the host."""
   flat = flatten(params)
   out = np.empty(plan.size(p), np.float32)
   start = 0
-  for path, shape in zip(plan.paths[p], plan.shapes[p]):
+  for path, shape, a, b in plan.pieces(p):
     leaf = np.asarray(flat[path])
     if leaf.shape != shape:
       raise ValueError(f"leaf {path} has shape {leaf.shape}, the fragment plan expects {shape}")
-    n = leaf.size
-    out[start:start + n] = leaf.reshape(-1)
-    start += n
+    out[start:start + b - a] = leaf.reshape(-1)[a:b]
+    start += b - a
   return out
 
 
-def scatter(plan: FragmentPlan, p: int, vec: np.ndarray) -> dict[str, np.ndarray]:
-  """The inverse of `gather`: `{path: array}` for fragment p, reshaped views into `vec`."""
+def _check_vector(plan: FragmentPlan, p: int, vec) -> np.ndarray:
   vec = np.asarray(vec)
   if vec.ndim != 1 or vec.size != plan.size(p):
     raise ValueError(f"fragment {p} has {plan.size(p)} elements, got a vector of shape {vec.shape}")
+  return vec
+
+
+def scatter(plan: FragmentPlan, p: int, vec: np.ndarray) -> dict[str, np.ndarray]:
+  """The inverse of `gather` for a fragment of whole leaves: `{path: array}`, reshaped views into `vec`.
+  A fragment that holds pieces of split leaves has no leaves of its own: use `assemble`."""
+  vec = _check_vector(plan, p, vec)
   out, start = {}, 0
-  for path, shape in zip(plan.paths[p], plan.shapes[p]):
-    n = math.prod(shape)
-    out[path] = vec[start:start + n].reshape(shape)
-    start += n
+  for path, shape, a, b in plan.pieces(p):
+    if b - a != math.prod(shape):
+      raise ValueError(f"fragment {p} holds a piece of leaf {path}: assemble the leaves from every fragment")
+    out[path] = vec[start:start + b - a].reshape(shape)
+    start += b - a
   return out
+
+
+def assemble(plan: FragmentPlan, vectors: Sequence[np.ndarray], template: Any) -> Any:
+  """The parameters held by the P fragment `vectors` (the inverse of gathering every fragment; split
+  leaves put back together from their pieces), as a nested dict of float32 host arrays shaped like
+  `template` (arrays or abstract shapes: every leaf is replaced)."""
+  if len(vectors) != plan.num_fragments:
+    raise ValueError(f"got {len(vectors)} fragment vectors, the plan has {plan.num_fragments} fragments")
+  leaves: dict[str, np.ndarray] = {}
+  for p, vec in enumerate(vectors):
+    vec = _check_vector(plan, p, np.asarray(vec, np.float32).reshape(-1))
+    start = 0
+    for path, shape, a, b in plan.pieces(p):
+      if path not in leaves:
+        leaves[path] = np.empty(shape, np.float32)
+      leaves[path].reshape(-1)[a:b] = vec[start:start + b - a]
+      start += b - a
+  return replace_leaves(template, leaves)
+
+
+def leaf_keys(params: Any) -> dict[str, tuple]:
+  """{path: the tuple of keys that reaches the leaf}: for `get_leaves` / `set_leaves`, which skip the
+  walk over the whole tree (a learner touches one fragment's leaves at every step)."""
+  return {_path_str(keys): keys for keys, _ in _iter_leaves(params)}
+
+
+def get_leaves(params: Any, keys: tuple[tuple, ...]) -> tuple:
+  """The leaves of `params` at `keys` (tuples from `leaf_keys`), in order."""
+  out = []
+  for path in keys:
+    node = params
+    for k in path:
+      node = node[k]
+    out.append(node)
+  return tuple(out)
+
+
+def set_leaves(params: Any, keys: tuple[tuple, ...], values) -> Any:
+  """A copy of `params` with the leaves at `keys` replaced by `values`: only the dicts, lists and tuples
+  on the way to them are copied, every other subtree is shared."""
+  return _set(params, [(tuple(path), value) for path, value in zip(keys, values)])
+
+
+def _set(node, items: list[tuple[tuple, Any]]):
+  if not items[0][0]:
+    return items[0][1]
+  groups: dict[Any, list] = {}
+  for path, value in items:
+    groups.setdefault(path[0], []).append((path[1:], value))
+  if type(node) is dict or isinstance(node, Mapping):
+    out = dict(node)
+    for k, sub in groups.items():
+      out[k] = _set(node[k], sub)
+    return out
+  out = list(node)
+  for k, sub in groups.items():
+    out[k] = _set(node[k], sub)
+  return type(node)(out)
 
 
 def replace_leaves(params: Any, updates: Mapping[str, Any]) -> Any:

@@ -68,10 +68,15 @@ def init_state(config, mesh):
   return graphdef, state, state_shardings
 
 
+def token_losses(graphdef, params, tokens):
+  """Next-token cross-entropy (nats) of every target: tokens [batch, seq + 1] -> [batch, seq]."""
+  logits = model_lib.apply(graphdef, params, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
 def loss_fn(graphdef, params, tokens):
   """Mean next-token cross-entropy; tokens [batch, seq + 1]."""
-  logits = model_lib.apply(graphdef, params, tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return token_losses(graphdef, params, tokens).mean()
 
 
 def make_inner_step(graphdef, train_cfg, mesh, state_shardings):
@@ -97,6 +102,14 @@ def make_eval_step(graphdef, mesh, param_shardings):
                  out_shardings=mesh_lib.replicated(mesh))
 
 
-def put_batch(tokens, mesh) -> jax.Array:
-  """Host batch -> device batch split over the data and fsdp axes."""
-  return jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
+def put_batch(tokens, mesh, batch_size: int | None = None) -> jax.Array:
+  """Host batch -> device batch split over the data and fsdp axes.
+
+  On a mesh of one process `tokens` is the whole batch. On a mesh spanning several processes it is this
+  process's rows (`mesh_lib.process_rows`) of a batch of `batch_size` rows, and the global batch is
+  assembled from every process's part.
+  """
+  sharding = mesh_lib.batch_sharding(mesh)
+  if sharding.is_fully_addressable:
+    return jax.device_put(tokens, sharding)
+  return jax.make_array_from_process_local_data(sharding, tokens, (batch_size, *tokens.shape[1:]))

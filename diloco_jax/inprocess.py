@@ -4,8 +4,18 @@ concurrently (one thread each) against the syncer core through the in-process tr
   python -m diloco_jax train --config configs/small_cpu.py --workdir runs/diloco
 
 The same learners talk to a separate syncer process over gRPC with `python -m diloco_jax learner` (see
-`local`). Summary: `<workdir>/summary.json`; per-learner metrics: `<workdir>/learner_<i>/metrics.jsonl`; the
-syncer's decision for every round: `<workdir>/syncer/rounds.jsonl`.
+`local`). On a machine whose only backend is the CPU, the command gives itself the fake CPU devices it
+needs: each learner's devices (`learners.devices`, or `learners.device_counts`) and learner 0's count
+more for the global model's evaluator (an explicit XLA_FLAGS=--xla_force_host_platform_device_count=N wins).
+
+The global model is evaluated every `train.eval_every` steps of progress (tokens merged, in steps of
+`data.global_batch` sequences) by an evaluator thread on devices no learner uses if there are any (else
+the host's CPU devices, which on a CPU-only machine the learners share). Output in the workdir (the same
+layout as `local`): `summary.json`, `config.json` (the resolved config, its fingerprint beside it),
+`learner_<i>/` (metrics.jsonl, TensorBoard event files, checkpoints), `global/` (the global model's eval
+curve), `syncer/` (the syncer's metrics, its decision for every round in `rounds.jsonl`, and
+`syncer_checkpoints/`), `plots/` (`python -m diloco_jax plot`), `model/` (the global model at the end,
+`export.py`: `python -m diloco_jax eval/sample --model`).
 """
 
 from __future__ import annotations
@@ -21,13 +31,17 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax import export as export_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import outer as outer_lib
+from diloco_jax import plot as plot_lib
+from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint as syncer_checkpoint
+from diloco_jax.syncer.monitor import SyncerMonitor
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport
 
@@ -41,9 +55,11 @@ class InProcessRun:
   Args:
     config: the run's config (validated).
     workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
-      (`syncer/`); None: nothing on disk.
+      (`syncer/syncer_checkpoints/`, the decision records `syncer/rounds.jsonl`); None: nothing on disk.
     learner_ids: which learners to create (default: all `learners.num`); each gets its devices
       (`config.learner_devices`), carved in order from `devices` (default `jax.devices()`).
+
+  `global_eval` evaluates the global model on `evaluator_devices`.
   """
 
   def __init__(self, config, workdir: str | pathlib.Path | None, *, learner_ids: Sequence[int] | None = None,
@@ -53,10 +69,12 @@ class InProcessRun:
     ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
     slices = mesh_lib.carve_slices(devices or jax.devices(), [config_lib.learner_devices(config, i) for i in ids])
     self.core, self.fingerprint = build.build_core(config, run_id)
+    self.global_eval = eval_loop.GlobalEval(config, evaluator_devices(config, [d for s in slices for d in s]))
     self._syncer_ckpt = None
     self.resumed = False
     if self.workdir is not None:
-      self._syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(self.workdir / "syncer", keep=2)
+      self._syncer_ckpt = syncer_checkpoint.SyncerCheckpointer(self.workdir / "syncer" / "syncer_checkpoints",
+                                                                keep=2)
       self.resumed = syncer_checkpoint.restore_core(self._syncer_ckpt, self.core) is not None
     self.ticker = Ticker(self.core)
     # The syncer's per-round decisions (who was merged, waited for, how long, with which weights).
@@ -66,17 +84,24 @@ class InProcessRun:
         loop_lib.Learner(config, i, devices_i, InProcessTransport(self.core), self.fingerprint,
                          None if self.workdir is None else str(self.workdir / f"learner_{i}"),
                          metrics_log=None if self.workdir is None else
-                         metrics_lib.MetricsLog(self.workdir / f"learner_{i}"),
+                         metrics_lib.MetricsLog(self.workdir / f"learner_{i}", tags=metrics_lib.LEARNER_TAGS),
                          async_checkpoints=False)
         for i, devices_i in zip(ids, slices)
     ]
     self.plan = self.learners[0].plan
 
+  def global_params(self):
+    """The syncer's global model (host arrays)."""
+    return self.global_eval.params(self.core.global_fragments())
+
   def evaluate_global(self) -> float:
-    """Eval loss of the syncer's global model, on the first learner's mesh."""
-    trainer = self.learners[0].trainer
-    params = build.global_params(self.core, self.plan, jax.tree.map(np.asarray, trainer.state.params))
-    return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
+    """Eval loss of the syncer's global model, on the evaluator's devices."""
+    return self.global_eval.loss(self.global_params())
+
+  def global_evaluator(self, metrics_log=None, poll_s: float = 0.5) -> eval_loop.GlobalEvaluator:
+    """The evaluator of the global model's curve (not started), reading the core's Theta directly."""
+    return eval_loop.GlobalEvaluator(self.global_eval, CoreSource(self.core),
+                                     eval_loop.EvalSchedule.from_config(self.config), metrics_log, poll_s=poll_s)
 
   def close(self) -> None:
     """Learners leave, the ticker stops, and the syncer's state is checkpointed (with a workdir)."""
@@ -92,14 +117,45 @@ class InProcessRun:
       self._syncer_ckpt.close()
 
 
-def run(config, workdir: str, *, quiet: bool = False) -> dict:
-  """Train M learners with the syncer core in this process; returns the summary (also summary.json)."""
+def evaluator_devices(config, used: Sequence[jax.Device]) -> list[jax.Device]:
+  """Up to learner 0's count of devices (`config.learner_devices`: a mesh every eval batch is validated
+  on) that no learner uses; if there are none, the host's CPU devices (on a CPU-only machine those are the
+  learners' too: fake devices share the same cores anyway)."""
+  k = config_lib.learner_devices(config, 0)
+  spare = [d for d in jax.devices() if d not in set(used)]
+  return spare[:k] or jax.devices("cpu")[:k]
+
+
+class CoreSource:
+  """The global model straight from a core in this process (`evaluator/loop.py`'s `Source`): Theta."""
+
+  def __init__(self, core):
+    self.core = core
+
+  def progress(self) -> tuple[int, list[int]]:
+    status = self.core.status()
+    return int(status["counters"]["tokens_merged"]), list(status["versions"])
+
+  def fetch(self) -> tuple[list[np.ndarray], list[int]]:
+    fragments = self.core.global_fragments()
+    return fragments, list(self.core.status()["versions"])
+
+
+def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
+  """Train M learners with the syncer core in this process; returns the summary (also summary.json). With
+  `export`, the global model goes to `<workdir>/model` (`python -m diloco_jax eval/sample --model`)."""
   t0 = time.perf_counter()
   num = config.learners.num
   job = InProcessRun(config, workdir)
   learners, plan = job.learners, job.plan
   params = learners[0].trainer.num_params
-  initial_eval = None if job.resumed else learners[0].trainer.evaluate()
+  config_lib.save_resolved(config, workdir, RUN_ID)
+  global_log = metrics_lib.MetricsLog(job.workdir / "global", tags=metrics_lib.GLOBAL_EVAL_TAGS)
+  syncer_log = metrics_lib.MetricsLog(job.workdir / "syncer", tags=metrics_lib.SYNCER_TAGS)
+  monitor = SyncerMonitor(job.core, syncer_log)
+  evaluator = job.global_evaluator(global_log)
+  initial_eval = None if job.resumed else evaluator.evaluate()["eval_loss"]
+  evaluator.start()
   if not quiet:
     sizes = [plan.size(p) for p in range(plan.num_fragments)]
     devices = [config_lib.learner_devices(config, i) for i in range(num)]
@@ -120,7 +176,9 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
         bar.update(1)
         if bar.n % 20 == 0:
           status = job.core.status()
-          bar.set_postfix(versions=status["versions"], merged=status["counters"]["contributions_merged"])
+          latest = evaluator.latest
+          bar.set_postfix(versions=status["versions"], merged=status["counters"]["contributions_merged"],
+                          **({"eval": f"{latest['eval_loss']:.3f}"} if latest else {}))
 
   def work(i):
     try:
@@ -138,11 +196,15 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
   if bar is not None:
     bar.close()
   job.close()
+  # The product of the run is the syncer's global model: its last eval is the run's final eval loss.
+  final = evaluator.stop(final=not errors)
+  monitor.stop()
+  global_log.close()
+  syncer_log.close()
   if errors:
     raise errors[0]
 
-  # The product of the run is the syncer's global model.
-  final_eval = job.evaluate_global()
+  final_eval = final["eval_loss"] if final is not None else job.evaluate_global()
   status = job.core.status()
   counters = status["counters"]
   wall = time.perf_counter() - t0
@@ -160,24 +222,36 @@ def run(config, workdir: str, *, quiet: bool = False) -> dict:
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
       "blocked_s": {r["learner"]: r["blocked_s"] for r in results},
       "versions": status["versions"], "t_sync_s": status["t_sync_s"],
+      "goodput_estimate": status["goodput_estimate"], "global_eval_failures": evaluator.failures,
   }
+  if export:
+    summary["model"] = str(export_lib.export(
+        pathlib.Path(workdir) / "model", config, job.global_params(), source="train", run_id=RUN_ID,
+        steps=config.train.steps, tokens=tokens, tokens_merged=summary["tokens_merged"],
+        final_eval_loss=final_eval, versions=status["versions"]))
   metrics_lib.write_summary(workdir, summary)
   if not quiet:
     print(f"train done: global eval loss {final_eval:.4f}"
           + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
           + f", {tokens:,} tokens in {wall:.1f}s, {counters['rounds']} outer rounds, "
-          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json")
+          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
+          + (f", model in {summary['model']}" if export else ""))
+    print(plot_lib.outputs(workdir, "train"))
   return summary
 
 
 def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).",
                       flag_values=fv, required=True)
+  flags.DEFINE_bool("export", True, "export the global model to WORKDIR/model at the end", flag_values=fv)
 
 
 def main(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
-  config = cli.validated(fv.config, len(jax.devices()), learners=True)
-  run(config, fv.workdir)
+  c = fv.config
+  # The learners' slices and the evaluator's.
+  need = sum(config_lib.learner_devices(c, i) for i in range(c.learners.num)) + config_lib.learner_devices(c, 0)
+  config = cli.validated(c, len(cli.devices(need, "train")), learners=True)
+  run(config, fv.workdir, export=fv.export)
   return 0

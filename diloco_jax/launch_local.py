@@ -9,10 +9,22 @@ process over gRPC on loopback, exactly as on separate hosts. The launcher:
 
 1. writes a fresh random run token to `WORKDIR/token` (mode 600) and hands it to every child by file;
 2. starts the syncer (`--bind 127.0.0.1:0`) and waits for `WORKDIR/syncer/syncer.port`;
-3. starts learner i in `WORKDIR/learner_<i>`; every child logs to `WORKDIR/logs/<name>.log`;
-4. shows overall progress (steps read from each learner's `metrics.jsonl`) and waits for the learners;
-5. asks the syncer for its status, stops it with SIGTERM (it writes a final checkpoint), evaluates the
-   global model from that checkpoint (`--eval`), and writes `WORKDIR/summary.json`.
+3. with `--eval` (the default), starts the global model's evaluator (`python -m diloco_jax evaluator`, an
+   observer that never joins) in `WORKDIR/global`, on its own fake devices (as many as learner 0's);
+4. starts learner i in `WORKDIR/learner_<i>`; every child logs to `WORKDIR/logs/<name>.log`;
+5. shows overall progress (steps read from each learner's `metrics.jsonl`, the newest global eval loss from
+   `WORKDIR/global/metrics.jsonl`) and waits for the learners;
+6. asks the syncer for its status, stops the evaluator (its last eval) and then the syncer with SIGTERM (it
+   writes a final checkpoint), evaluates the global model from that checkpoint (`--eval`), exports it to
+   `WORKDIR/model` (`--export`; see `python -m diloco_jax eval/sample --model`), writes
+   `WORKDIR/summary.json` and the plots (`WORKDIR/plots/`), and prints where TensorBoard finds the logs.
+
+The resolved config goes to `WORKDIR/config.json` (and every child's workdir), its fingerprint beside it.
+
+With `--hosts-per-learner H`, each learner is H processes of 1/H of its fake CPU devices each,
+one learner spanning them through `jax.distributed` (a coordinator on a free loopback port, process 0
+talking to the syncer), as a learner spanning H hosts of a TPU slice; their logs are
+`WORKDIR/logs/learner_<i>_p<p>.log`.
 
 Rerunning on the same workdir resumes: the syncer from its checkpoint, each learner from its own.
 Ctrl-C (or SIGTERM) stops everything cleanly: learners first (they flush and checkpoint), then the syncer;
@@ -31,23 +43,23 @@ import pathlib
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 # jax only serves the final eval, on devices this launcher sets up in `main` before the backend starts.
 import jax
-import numpy as np
 from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import outer as outer_lib
+from diloco_jax import plot as plot_lib
 from diloco_jax import protocol
-from diloco_jax import trainer as trainer_lib
-from diloco_jax.syncer import build
-from diloco_jax.syncer import checkpoint as syncer_checkpoint
+from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.transports.grpc import GrpcTransport
 
 EXIT_FAILED = 1
@@ -61,11 +73,14 @@ def _define_flags(fv: flags.FlagValues) -> None:
                        flag_values=fv)
   flags.DEFINE_string("run-id", "local", "run id (enters the fingerprint; keep it to resume a workdir)",
                       flag_values=fv)
-  flags.DEFINE_bool("eval", True, "evaluate the syncer's final global model (loads its checkpoint)",
-                    flag_values=fv)
+  flags.DEFINE_bool("eval", True, "run the global model's evaluator, and evaluate the syncer's final global "
+                    "model (loads its checkpoint)", flag_values=fv)
+  flags.DEFINE_bool("export", True, "with --eval, export that model to WORKDIR/model", flag_values=fv)
   flags.DEFINE_float("stop-timeout-s", 60.0, "grace for a child after SIGTERM before SIGKILL",
                      flag_values=fv)
   flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
+  flags.DEFINE_integer("hosts-per-learner", 1, "processes per learner (jax.distributed on loopback), each "
+                       "with 1/H of the learner's fake CPU devices", flag_values=fv)
 
 
 def config_args(argv: list[str]) -> list[str]:
@@ -174,6 +189,13 @@ def learner_progress(workdir: pathlib.Path) -> dict:
   return {"step": int(record.get("step", 0)), "versions": record.get("versions")}
 
 
+def free_port() -> int:
+  """A TCP port free on loopback now (for a learner's jax.distributed coordinator)."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
 def write_token(path: pathlib.Path) -> None:
   """A fresh random run token, readable by this user only (created with mode 600, never widened)."""
   path.unlink(missing_ok=True)
@@ -182,31 +204,33 @@ def write_token(path: pathlib.Path) -> None:
     f.write(secrets.token_hex(32) + "\n")
 
 
-def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str) -> float | None:
-  """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices."""
-  core, _ = build.build_core(config, run_id)
-  ckpt = syncer_checkpoint.SyncerCheckpointer(syncer_dir / "syncer_checkpoints", keep=1 << 20,
-                                              async_save=False)
-  try:
-    if syncer_checkpoint.restore_core(ckpt, core) is None:
-      return None
-  finally:
-    ckpt.close()
-  devices = jax.devices()[:config_lib.learner_devices(config, 0)]
-  trainer = trainer_lib.MeshTrainer(config, devices, None, batch_size=config_lib.learner_batch(config, 0))
-  plan = build.fragment_plan(config, trainer.state.params)
-  params = build.global_params(core, plan, jax.tree.map(np.asarray, trainer.state.params))
-  return trainer.evaluate(jax.device_put(params, trainer.shardings.params))
+def evaluate_global(config, syncer_dir: pathlib.Path, run_id: str, export_dir: pathlib.Path | None = None
+                    ) -> float | None:
+  """Eval loss of the global model in the syncer's latest checkpoint, on this process's CPU devices; with
+  `export_dir`, that model is exported there too (`export.py`). None when the syncer left no checkpoint."""
+  found = export_lib.syncer_params(config, syncer_dir, run_id)
+  if found is None:
+    return None
+  params, info = found
+  loss = eval_loop.GlobalEval(config, jax.devices()[:config_lib.learner_devices(config, 0)]).loss(params)
+  if export_dir is not None:
+    export_lib.export(export_dir, config, params, source="local", run_id=run_id,
+                      syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"],
+                      final_eval_loss=loss)
+  return loss
 
 
 class Launcher:
   """Starts, watches and stops the children of one local run."""
 
   def __init__(self, config, config_argv: list[str], workdir: pathlib.Path, run_id: str, *,
-               stop_timeout_s: float, start_timeout_s: float):
+               stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1):
     self.config, self.config_argv, self.workdir, self.run_id = config, config_argv, workdir, run_id
+    self.hosts_per_learner = hosts_per_learner
     self.stop_timeout_s, self.start_timeout_s = stop_timeout_s, start_timeout_s
     self.syncer: Child | None = None
+    self.evaluator: Child | None = None  # an observer: its failure is reported, never fatal
+    self._evaluator_reported = False
     self.learners: list[Child] = []
     self.signals: list[int] = []
     self.port: int | None = None
@@ -241,17 +265,50 @@ class Launcher:
 
   def start_learners(self) -> None:
     for i in range(self.config.learners.num):
-      ldir = self.workdir / f"learner_{i}"
-      self.learners.append(Child(
-          f"learner {i}",
-          self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
-                        "--workdir", str(ldir), "--token-file", str(self.workdir / "token")),
-          child_env(config_lib.learner_devices(self.config, i)), self.workdir / "logs" / f"learner_{i}.log"))
+      self.start_learner(i)
+
+  def start_learner(self, i: int) -> list[Child]:
+    """Starts learner i: one process, or `hosts_per_learner` processes joined by jax.distributed."""
+    h = self.hosts_per_learner
+    devices = config_lib.learner_devices(self.config, i)
+    ldir = self.workdir / f"learner_{i}"
+    argv = self._command("learner", "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                         "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
+    if h == 1:
+      children = [Child(f"learner {i}", argv, child_env(devices),
+                        self.workdir / "logs" / f"learner_{i}.log")]
+    else:
+      coordinator = f"127.0.0.1:{free_port()}"
+      children = [Child(f"learner {i} process {p}",
+                        argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
+                        child_env(devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
+                  for p in range(h)]
+    self.learners.extend(children)
+    return children
+
+  def start_evaluator(self) -> None:
+    self.evaluator = Child(
+        "evaluator",
+        self._command("evaluator", "--syncer", f"127.0.0.1:{self.port}", "--workdir", str(self.workdir / "global"),
+                      "--token-file", str(self.workdir / "token")),
+        child_env(config_lib.learner_devices(self.config, 0)), self.workdir / "logs" / "evaluator.log")
+
+  def latest_global_eval(self) -> float | None:
+    """The newest eval loss of the global model (the evaluator's records), if any."""
+    record = _last_record(self.workdir / "global" / "metrics.jsonl") or {}
+    return record.get("eval_loss")
+
+  def _check_evaluator(self) -> None:
+    if self.evaluator is not None and self.evaluator.poll() not in (None, 0) and not self._evaluator_reported:
+      self._evaluator_reported = True
+      print(f"\nlocal: the evaluator exited with status {self.evaluator.poll()} (training goes on without the "
+            f"global model's curve); last lines of {self.evaluator.log_path}:\n{self.evaluator.tail(10)}",
+            file=sys.stderr)
 
   def watch(self, quiet: bool = False) -> None:
     """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""
     steps = self.config.train.steps
-    dirs = [self.workdir / f"learner_{i}" for i in range(len(self.learners))]
+    dirs = [self.workdir / f"learner_{i}" for i in range(self.config.learners.num)]
     bar = None if quiet else metrics_lib.progress(steps * len(dirs), desc="local")
     max_version = 0
     try:
@@ -260,11 +317,14 @@ class Launcher:
           rc = child.poll()
           if rc is not None and (rc != 0 or child is self.syncer):
             raise ChildFailed(child)
+        self._check_evaluator()
         progress = [learner_progress(d) for d in dirs]
         if bar is not None:
           versions = [v for p in progress if p["versions"] for v in p["versions"]]
           max_version = max(versions + [max_version])
+          eval_loss = self.latest_global_eval()
           bar.set_postfix(alive=sum(c.poll() is None for c in self.learners), max_version=max_version,
+                          **({"global_eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}),
                           refresh=False)
           # update() draws at tqdm's interval (10 s when stderr is a log file, not a terminal).
           bar.update(sum(min(p["step"], steps) for p in progress) - bar.n)
@@ -285,16 +345,20 @@ class Launcher:
       return None
 
   def stop_all(self) -> dict[str, int | None]:
-    """Learners first (they flush to the syncer and checkpoint), then the syncer (final checkpoint)."""
+    """Learners first (they flush to the syncer and checkpoint), then the evaluator (a last eval of the
+    global model, which the syncer still serves), then the syncer (final checkpoint)."""
     codes = {}
     for child in self.learners:
       child.terminate()
     for child in self.learners:
       codes[child.name] = child.wait(self.stop_timeout_s)
+    if self.evaluator is not None:
+      self.evaluator.terminate()
+      codes["evaluator"] = self.evaluator.wait(self.stop_timeout_s)
     if self.syncer is not None:
       self.syncer.terminate()
       codes["syncer"] = self.syncer.wait(self.stop_timeout_s)
-    for child in [*self.learners, *([self.syncer] if self.syncer else [])]:
+    for child in [*self.learners, *[c for c in (self.evaluator, self.syncer) if c is not None]]:
       child.close()
     return codes
 
@@ -344,6 +408,10 @@ def main(argv) -> int:
     config_argv.append(f"--config.learners.num={fv.learners}")
   counts = [config_lib.learner_devices(config, i) for i in range(config.learners.num)]
   cli.validated(config, sum(counts), learners=True)
+  hosts = fv["hosts-per-learner"].value
+  if hosts < 1 or any(n % hosts for n in counts):
+    raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide every learner's devices "
+                         f"({counts if len(set(counts)) > 1 else counts[0]})")
   # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
   os.environ.update({k: v for k, v in child_env(counts[0]).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
@@ -351,20 +419,24 @@ def main(argv) -> int:
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
   write_token(workdir / "token")
   run_id = fv["run-id"].value
+  config_lib.save_resolved(config, workdir, run_id)
   launcher = Launcher(config, config_argv, workdir, run_id, stop_timeout_s=fv["stop-timeout-s"].value,
-                      start_timeout_s=fv["start-timeout-s"].value)
+                      start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts)
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, launcher.on_signal)
   t0 = time.perf_counter()
   status, failed = None, None
-  print(f"local: {config.learners.num} learners x {counts if len(set(counts)) > 1 else counts[0]} CPU devices, "
-        f"run id {run_id!r}, "
+  per = f"{counts if len(set(counts)) > 1 else counts[0]}"
+  shape = f"{hosts} processes x {per} / {hosts}" if hosts > 1 else per
+  print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
         f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:
     launcher.start_syncer()
     if not launcher.signals:
       print(f"local: syncer on 127.0.0.1:{launcher.port} (pid {launcher.syncer.pid})", file=sys.stderr,
             flush=True)
+      if fv.eval:
+        launcher.start_evaluator()
       launcher.start_learners()
       launcher.watch()
     if not launcher.signals:
@@ -382,12 +454,20 @@ def main(argv) -> int:
   summary = merged_summary(workdir, config.learners.num, status, time.perf_counter() - t0, run_id,
                            config.outer.num_fragments)
   summary["exit_codes"] = codes
+  evaluator_summary = workdir / "global" / "summary.json"
+  if launcher.evaluator is not None and evaluator_summary.exists():
+    summary["global_eval"] = json.loads(evaluator_summary.read_text())
   if fv.eval:
-    summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id)
+    export_dir = workdir / "model" if fv.export else None
+    summary["final_eval_loss"] = evaluate_global(config, workdir / "syncer", run_id, export_dir)
+    if export_dir is not None and summary["final_eval_loss"] is not None:
+      summary["model"] = str(export_dir)
   metrics_lib.write_summary(workdir, summary)
   loss = summary.get("final_eval_loss")
   print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, versions {summary.get('versions')}, "
         + (f"global eval loss {loss:.4f}, " if loss is not None else "")
-        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json",
+        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
+        + (f", model in {summary['model']}" if "model" in summary else ""),
         file=sys.stderr)
+  print(plot_lib.outputs(workdir, "local"), file=sys.stderr)
   return 0

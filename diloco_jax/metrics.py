@@ -1,17 +1,48 @@
-"""Metrics on disk and progress on screen: JSONL records in the workdir, a progress bar, summary.json."""
+"""Metrics on disk and progress on screen: JSONL records and TensorBoard event files in the workdir, a
+progress bar, summary.json.
+
+Every producer (the baseline, each learner, the syncer, the global-model evaluator) writes through one
+`MetricsLog`: each record goes whole to `<workdir>/<name>.jsonl`, and the fields named in the producer's
+tag table go to TensorBoard (tensorboardX event files in `<workdir>`). The tables below share their tags,
+so that a data-parallel run and a Decoupled DiLoCo run overlay in one TensorBoard
+(`tensorboard --logdir runs`): `train/loss` of the baseline and of every learner, `eval/loss` of the
+baseline's model and of the syncer's global model. The step of every record is counted in global steps of
+`data.global_batch` sequences (the baseline's step; a learner's own step, since M learners at step s have
+read as much as the baseline at step s; the global model's progress, tokens merged / tokens per step), so
+the curves line up on the same token budget.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
+import tensorboardX
 from tqdm import tqdm
+
+# Record field -> TensorBoard tag, per producer. A list value is written as `<tag>/<index>`, a dict value
+# as `<tag>/<key>`; fields a table does not name go to the JSONL file only.
+_TRAIN_TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
+               "comm_bytes": "comm/bytes"}
+BASELINE_TAGS = {**_TRAIN_TAGS, "eval_loss": "eval/loss"}  # its model is the global model
+LEARNER_TAGS = {**_TRAIN_TAGS, "blocked_s": "train/blocked_s", "eval_loss": "eval/local_loss",
+                "versions": "learner/base_version"}
+GLOBAL_EVAL_TAGS = {"eval_loss": "eval/loss", "tokens": "eval/tokens_merged"}
+SYNCER_TAGS = {"rounds": "syncer/rounds", "contributors_per_round": "syncer/contributors_per_round",
+               "grace_wait_s": "syncer/grace_wait_s", "live": "syncer/live_learners",
+               "contributions_merged": "syncer/contributions_merged",
+               "contributions_late": "syncer/contributions_late", "rejected": "syncer/rejected",
+               "bytes_in": "syncer/bytes_in", "bytes_out": "syncer/bytes_out",
+               "tokens_merged": "syncer/tokens_merged", "versions": "syncer/version",
+               "goodput": "syncer/goodput_estimate"}
+_TB_FLUSH_S = 10  # event files reach the disk at least this often (TensorBoard reads them live)
 
 
 def _jsonable(value: Any) -> Any:
@@ -26,20 +57,52 @@ def _jsonable(value: Any) -> Any:
   return value
 
 
-class MetricsLog:
-  """Appends one JSON object per line to `<workdir>/<name>.jsonl`; thread-safe enough for one writer per
-  file (lines are written whole and flushed)."""
+def _scalars(tag: str, value: Any):
+  """(tag, float) pairs of a record value: numbers as they are, lists and dicts element-wise."""
+  if isinstance(value, Mapping):
+    for k, v in value.items():
+      yield from _scalars(f"{tag}/{k}", v)
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      yield from _scalars(f"{tag}/{i}", v)
+  elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+    if math.isfinite(float(value)):
+      yield tag, float(value)
 
-  def __init__(self, workdir: str | os.PathLike, name: str = "metrics"):
+
+class MetricsLog:
+  """The one metrics writer: appends each record as one JSON line to `<workdir>/<name>.jsonl` and, with
+  `tags` (a table above), writes the fields it names as TensorBoard scalars into `<workdir>` at the
+  record's `step`, stamped with the record's wall time. One writer per file; lines are written whole and
+  flushed, event files every few seconds and at `close`.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, name: str = "metrics", *, tags: Mapping[str, str] | None = None):
     self.path = pathlib.Path(workdir) / f"{name}.jsonl"
     self.path.parent.mkdir(parents=True, exist_ok=True)
     self._file = open(self.path, "a", buffering=1)
+    self._tags = dict(tags or {})
+    self._tb = (tensorboardX.SummaryWriter(str(self.path.parent), flush_secs=_TB_FLUSH_S)
+                if self._tags else None)
 
   def write(self, record: dict) -> None:
-    self._file.write(json.dumps(_jsonable({"time": time.time(), **record})) + "\n")
+    record = _jsonable({"time": time.time(), **record})
+    self._file.write(json.dumps(record) + "\n")
+    if self._tb is not None and "step" in record:
+      for field, tag in self._tags.items():
+        for name, value in _scalars(tag, record.get(field)):
+          self._tb.add_scalar(name, value, global_step=int(record["step"]), walltime=record["time"])
 
   def close(self) -> None:
     self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def ring_allreduce_bytes(num_params: int, workers: int, bytes_per_param: int = 4) -> float:
+  """Bytes one worker sends and receives in a ring all-reduce of the gradient, per step: the data-parallel
+  reference for bytes on the wire, 2 (n - 1) / n x gradient bytes."""
+  return 2.0 * (workers - 1) / workers * num_params * bytes_per_param
 
 
 class DrainLog:

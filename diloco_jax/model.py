@@ -176,6 +176,13 @@ def abstract_model(model_cfg, mesh):
   return graphdef, nnx.to_pure_dict(abstract)
 
 
+def abstract_params(model_cfg) -> Params:
+  """The parameters' shapes and dtypes only (ShapeDtypeStructs, on one CPU device): plans and sizes of a
+  model of any size, with no array allocated."""
+  mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
+  return abstract_model(model_cfg, mesh)[1]
+
+
 def init_params(model_cfg, mesh, seed: int = 0):
   """Returns (graphdef, params): params created directly in their shardings on `mesh`."""
   cfg = _to_plain_cfg(model_cfg)

@@ -1,8 +1,9 @@
 """The outer loop's math: outer gradients, merge coefficients, and the Nesterov outer optimizer.
 
-Pure functions on flat float32 host vectors (one per fragment). Merging is numpy; the outer optimizer is
-optax, jitted once per optimizer and run on the host CPU device, so the syncer never touches an
-accelerator.
+Pure functions on flat float32 host vectors (one per fragment). The syncer merges and steps in one fused,
+chunked numpy pass in place (`apply_round`); `merge` (numpy) and `outer_step` (the optax optimizer of
+`make_outer_optimizer`, jitted once and run on the host CPU device) are the same math written plainly,
+the reference the fused pass is tested against. The syncer never touches an accelerator.
 
 A round merges pushes j (one period of one learner's work each: `tokens` tokens over `steps` inner steps,
 based on a global version `s` behind) into one outer gradient
@@ -26,6 +27,7 @@ which keeps the merged norm from shrinking like 1/sqrt(M) when the outer gradien
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Sequence
 
@@ -33,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from diloco_jax import chunked
+from diloco_jax import codec
 
 MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
 
@@ -163,6 +168,226 @@ def make_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.Gradie
 _SHARE_EPS = 1e-4  # shares are sums of token ratios: 0.25 * 4 must count as a full round
 
 
+# A round whose values provably stay below this (a margin of 2^8 under float32's largest value, far more
+# than float32 rounding can add) is written in place in one pass; see `apply_round`.
+_PROVABLY_FINITE = float(np.finfo(np.float32).max) / 256
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  """What `apply_round` did. `nonfinite`: what would have held a non-finite value ("merged outer
+  gradient", "new global fragment", "outer optimizer state"); then nothing was written. Otherwise the L2
+  norms of the new global, momentum and pending sum (float32 sums per chunk, as `chunked.norm`; 0 without
+  a pending sum). `checked`: whether a read-only check pass ran first (the inputs' norms could not prove
+  the result finite)."""
+
+  nonfinite: tuple[str, ...]
+  global_norm: float = float("nan")
+  momentum_norm: float = float("nan")
+  pending_norm: float = 0.0
+  checked: bool = False
+
+  @property
+  def applied(self) -> bool:
+    return not self.nonfinite
+
+
+def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence[bytes | codec.Encoded],
+                weights: Sequence[float], *, codec_name: str, block: int, lr: float, mu: float,
+                rda: bool = False, norms: Sequence[float] | None = None, scale: float = 1.0,
+                threads: int = 1, state_norms: tuple[float, ...] | None = None,
+                pending: np.ndarray | None = None, full: bool = True) -> RoundResult:
+  """One round's merge and outer step, in place and in one chunked pass (no fragment-sized temporary):
+
+      g = scale * merge([decode(p) for p in payloads], weights, rda)
+      global_vec, momentum (, pending) <- the step of `make_outer_optimizer(lr, mu)` with gradient g
+
+  the same as `merge` + `outer_step` on the decoded vectors up to float32 rounding (the weights are folded
+  into the per-block scales; the step itself is `delayed_nesterov_step_`). Without `pending` the step is
+  the plain Nesterov step (a round holding a full share of work, nothing pending). With `pending` (the
+  merged gradients of earlier partial rounds since the momentum last moved, a writable float32 vector),
+  `full` says whether this round completes a full share: the momentum then moves once with pending + g
+  and pending is zeroed; else g is applied at once and added to pending. Each chunk of the fragment is decoded,
+  weighted and summed over the contributions in the cache, then stepped; with `threads` > 1 the chunks are
+  shared among that many threads, with results that do not depend on the thread count.
+
+  All or nothing: if g, the new global or the new momentum would hold a non-finite value, nothing is
+  written (the result's `nonfinite` says what). The one pass writes in place only when the inputs prove
+  the result finite: every |value| is at most a vector's L2 norm, so |g| <= |factor| x sum_i coeff_i
+  |payload_i| and the step's values are bounded from `norms` and `state_norms` (the current L2 norms of
+  `global_vec`, `momentum` and, if given, `pending`); honest rounds are far below float32's range. Otherwise (norms not given,
+  or too large) a read-only pass computes every chunk's result first and the writing pass follows only if
+  all of it is finite (the same operations: the same values).
+
+  `weights`: one per payload, >= 0 with a positive sum (normalized here). `norms`: the payloads' L2 norms
+  (`codec.norm`); needed with `rda` (radial-directional averaging: the merged norm takes a first pass over
+  the payloads). `global_vec`, `momentum`: writable float32 vectors of the fragment's size.
+  """
+  n = global_vec.size
+  for name, arr in (("global_vec", global_vec), ("momentum", momentum), ("pending", pending)):
+    if arr is None:
+      continue
+    if arr.dtype != np.float32 or arr.shape != (n,) or not arr.flags.writeable:
+      raise ValueError(f"{name} must be a writable float32 vector of {n} elements")
+  encs = [p if isinstance(p, codec.Encoded) else codec.parse(p, codec_name, n, block) for p in payloads]
+  if any(e.size != n for e in encs):
+    raise ValueError(f"payloads must encode {n} elements")
+  if len(encs) == 0 or len(encs) != len(weights):
+    raise ValueError(f"need one weight per payload, got {len(encs)} payloads and {len(weights)} weights")
+  w = np.asarray(weights, np.float64)
+  if (w < 0).any() or w.sum() <= 0:
+    raise ValueError(f"weights must be >= 0 with a positive sum, got {w}")
+  w = w / w.sum()
+  if norms is not None:
+    norms = np.asarray(norms, np.float64)
+    if norms.shape != (len(encs),):
+      raise ValueError(f"need one norm per payload, got {norms.shape[0] if norms.ndim else 0}")
+  step = codec.chunk_elems(block)
+  work = codec.scratch_elems(block)
+  lr32, mu32, scale32 = np.float32(lr), np.float32(mu), np.float32(scale)
+
+  def direction(a, b, buf):
+    """The chunk [a, b) of sum_i coeffs_i * decode(payload_i), in buf[work:]."""
+    g = buf[work:work + b - a]
+    written = False
+    for enc, c in zip(encs, coeffs):
+      if c != 0:
+        codec.decode_range(enc, a, b, g, buf[:work], weight=c, accumulate=written)
+        written = True
+    if not written:
+      g[:] = 0
+    return g
+
+  if not rda:
+    coeffs, factor = w, scale32
+  else:
+    if norms is None:
+      raise ValueError("rda needs one norm per payload")
+    radial = float((w * norms).sum())
+    coeffs = np.where(norms > 0, w / np.where(norms > 0, norms, 1.0), 0.0)  # unit(0) = 0
+    # The direction's norm needs the whole vector before any step: a first pass, reading only payloads.
+    def squares(a, b, buf):
+      v = direction(a, b, buf).astype(np.float64)
+      return float(v @ v)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+      sq = chunked.run(squares, n, step, threads, work + step)
+      dnorm = float(np.sqrt(sum(sq)))
+      factor = np.float32(radial / dnorm) * scale32 if dnorm > 0 else np.float32(0)
+
+  def stepped(a, b, buf):
+    """Whether the chunk's merged gradient, new global and new optimizer state are finite: computed as
+    `kernel` does, into copies in buf (nothing written)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # per thread: overflow is what this looks for
+      g = direction(a, b, buf)
+      if factor != 1:
+        g *= factor
+      new_global = buf[work + step:work + step + b - a]
+      new_momentum = buf[work + 2 * step:work + 2 * step + b - a]
+      np.copyto(new_global, global_vec[a:b])
+      np.copyto(new_momentum, momentum[a:b])
+      new_pending = None
+      if pending is not None:
+        new_pending = buf[work + 3 * step:work + 3 * step + b - a]
+        np.copyto(new_pending, pending[a:b])
+      delayed_nesterov_step_(new_global, new_momentum, new_pending, g, lr32, mu32, full, out=buf[:b - a])
+      state_ok = bool(np.isfinite(new_momentum).all()) and (new_pending is None or bool(np.isfinite(new_pending).all()))
+      return bool(np.isfinite(g).all()), bool(np.isfinite(new_global).all()), state_ok
+
+  def kernel(a, b, buf):
+    """The chunk stepped in place; returns the float32 sums of squares of its new global, momentum and
+    pending sum."""
+    g = direction(a, b, buf)
+    if factor != 1:
+      g *= factor
+    theta, m = global_vec[a:b], momentum[a:b]
+    pend = None if pending is None else pending[a:b]
+    delayed_nesterov_step_(theta, m, pend, g, lr32, mu32, full, out=buf[:b - a])
+    with np.errstate(over="ignore"):  # a finite but huge result: its norm is inf (the next round checks)
+      return (float(np.dot(theta, theta)), float(np.dot(m, m)),
+              0.0 if pend is None or full else float(np.dot(pend, pend)))
+
+  checked = not _provably_finite(coeffs, norms, factor, state_norms, lr, mu, pending is not None, full)
+  if checked:
+    ok = np.array(chunked.run(stepped, n, step, threads, work + 4 * step)).reshape(-1, 3).all(axis=0)
+    names = ("merged outer gradient", "new global fragment", "outer optimizer state")
+    bad = tuple(name for name, fine in zip(names, ok) if not fine)
+    if bad:
+      return RoundResult(nonfinite=bad, checked=True)
+  sums = np.array(chunked.run(kernel, n, step, threads, work + step), np.float64).reshape(-1, 3).sum(axis=0)
+  return RoundResult(nonfinite=(), global_norm=float(np.sqrt(sums[0])), momentum_norm=float(np.sqrt(sums[1])),
+                     pending_norm=float(np.sqrt(sums[2])), checked=checked)
+
+
+def _provably_finite(coeffs, norms, factor, state_norms, lr: float, mu: float, delayed: bool = False,
+                     full: bool = True) -> bool:
+  """Whether a round's every value stays below `_PROVABLY_FINITE` (see `apply_round`), by the triangle
+  inequality in float64: |g| <= G = |factor| sum_i coeff_i norm_i, with a pending sum P: |pending'| <= P +
+  G, |momentum'| <= mu |momentum| + P + G, and |global'| <= |global| + lr (G + mu |momentum'|), each
+  |vector| bounded by its L2 norm (`state_norms`: global, momentum and, for a delayed step, pending)."""
+  if norms is None or state_norms is None or (delayed and len(state_norms) < 3):
+    return False
+  global_norm, momentum_norm = float(state_norms[0]), float(state_norms[1])
+  pending_norm = float(state_norms[2]) if delayed else 0.0
+  with np.errstate(over="ignore", invalid="ignore"):
+    g = abs(float(factor)) * float(np.dot(np.abs(coeffs), norms))
+    p = pending_norm + g
+    m = abs(mu) * momentum_norm + p if full else momentum_norm
+    update = abs(mu) * m + g if full else g
+    theta = global_norm + abs(lr) * update
+  return all(np.isfinite(x) and x < _PROVABLY_FINITE for x in (g, p, m, update, theta))
+
+
+def share_after(pending_share: float, share: float) -> tuple[bool, float]:
+  """(full, the pending share after): whether a round holding `share` of a full round's work, with
+  `pending_share` already pending, completes a full share (the momentum moves), and what stays pending
+  (beyond a full round, the excess; `make_outer_optimizer` computes the same in float32)."""
+  total = pending_share + share
+  if total >= 1.0 - _SHARE_EPS:
+    return True, max(total - float(np.floor(total + _SHARE_EPS)), 0.0)
+  return False, total
+
+
+def nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
+                   out: np.ndarray | None = None) -> None:
+  """The Nesterov SGD step of `make_outer_optimizer(lr, mu)` in place, in float32:
+
+      momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
+
+  the operations optax's `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same
+  order. `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
+  delayed_nesterov_step_(global_vec, momentum, None, grad, lr, mu, True, out)
+
+
+def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, pending: np.ndarray | None,
+                           grad: np.ndarray, lr: float, mu: float, full: bool,
+                           out: np.ndarray | None = None) -> None:
+  """The step of `make_outer_optimizer(lr, mu)` in place, in float32, in the order optax performs it:
+
+      pending None:  momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
+      full:          pending <- pending + grad;  momentum <- mu * momentum + pending;
+                     global_vec <- global_vec - lr * (grad + mu * momentum);  pending <- 0
+      not full:      pending <- pending + grad;  global_vec <- global_vec - lr * grad
+
+  `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
+  mu, lr = np.float32(mu), np.float32(lr)
+  tmp = np.empty_like(grad) if out is None else out
+  if pending is not None:
+    np.add(pending, grad, out=pending)
+    if not full:
+      np.multiply(grad, lr, out=tmp)
+      np.subtract(global_vec, tmp, out=global_vec)
+      return
+  np.multiply(momentum, mu, out=momentum)
+  np.add(momentum, grad if pending is None else pending, out=momentum)
+  np.multiply(momentum, mu, out=tmp)
+  np.add(tmp, grad, out=tmp)
+  np.multiply(tmp, lr, out=tmp)
+  np.subtract(global_vec, tmp, out=global_vec)
+  if pending is not None:
+    pending[:] = 0
+
+
 def _cpu() -> jax.Device:
   return jax.devices("cpu")[0]
 
@@ -215,6 +440,18 @@ def state_from_numpy(tx: optax.GradientTransformation, global_vec: np.ndarray, s
     if np.shape(got) != np.shape(want):
       raise ValueError(f"saved outer state array of shape {np.shape(got)}, expected {np.shape(want)}")
   return jax.device_put(jax.tree.unflatten(treedef, leaves), _cpu())
+
+
+def momentum_from_state(saved: Any, size: int) -> np.ndarray:
+  """A fragment's Nesterov momentum (a writable float32 vector) from a checkpoint's entry: the vector, or
+  the optax state tree that older syncer checkpoints hold (its one array is the trace)."""
+  leaves = jax.tree.leaves(saved)
+  if len(leaves) != 1:
+    raise ValueError(f"saved outer state has {len(leaves)} arrays, the Nesterov step keeps 1 (the momentum)")
+  momentum = np.array(leaves[0], np.float32).reshape(-1)
+  if momentum.size != size:
+    raise ValueError(f"saved momentum of {momentum.size} elements, the fragment has {size}")
+  return momentum
 
 
 def tokens_merged(fragment_tokens_merged: int, num_fragments: int) -> float:

@@ -10,7 +10,8 @@ Both sides import this module and nothing of each other:
 * `Transport`: what a learner's comms worker calls (join, push, pull, heartbeat, leave, status), served in
   one process by `transports.inprocess` and over the network by `transports.grpc`;
 * `SyncerAPI`: what a transport calls on the syncer side (implemented by `syncer.core.SyncerCore`);
-* the run token: `read_token`, shared by the syncer and learner processes.
+* the run token: `read_token`, shared by the syncer and learner processes;
+* `shorten`: how any string that came off the wire is quoted in a message or a log line (bounded).
 """
 
 from __future__ import annotations
@@ -19,18 +20,39 @@ import dataclasses
 import logging
 import os
 import pathlib
+import sys
+import threading
 from typing import Iterator, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
 # Why the syncer refuses a push (or another request). Each has a counter in the syncer's status.
+#   learner_id: the id is outside [0, learners.num)      overclaim: steps or tokens the schedule cannot give
+#   outlier: the outer gradient's norm is far above the fragment's recent ones
+#   key_conflict: an idempotency key seen before, on a different payload
 REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
-           "checksum", "metadata", "nonfinite", "future_version")
+           "checksum", "metadata", "nonfinite", "future_version", "learner_id", "overclaim", "outlier",
+           "key_conflict")
 # Rejections that mean "the syncer forgot this learner" (it restarted, or the lease lapsed): join again.
 REJOIN_REASONS = ("not_member", "unknown_learner")
 
 TOKEN_ENV = "DILOCO_TOKEN"
+# The id an observer (the global-model evaluator, `status`) uses on its calls: it pulls and asks for the
+# status without ever joining, so it is no member and never counts toward a quorum.
+OBSERVER_ID = -1
 REASON_METADATA_KEY = "diloco-reason"  # gRPC trailing metadata: the machine-readable reason of a refusal
+ECHO_CHARS = 64  # at most this much of a wire string is quoted back in a message or a log line
+
+
+def shorten(value, limit: int = ECHO_CHARS) -> str:
+  """`repr(value)` cut to about `limit` characters, saying how long it was: how a string from the wire
+  (a fingerprint, a codec name...) is quoted in a reply or a log line, so a hostile 1 MiB field is never
+  echoed whole."""
+  text = repr(value)
+  if len(text) <= limit:
+    return text
+  size = f" ({len(value)} chars)" if isinstance(value, (str, bytes)) else ""
+  return f"{text[:limit]}...{size}"
 
 
 class Rejected(Exception):
@@ -55,6 +77,11 @@ class Push:
   codec: str
   payload: bytes
   checksum: int  # codec.checksum(payload)
+  # The idempotency key (learner_id, incarnation, sequence): incarnation is random per learner process
+  # start, sequence counts that process's pushes. A retry carries the same key, and the syncer answers a
+  # key it already accepted with the original receipt instead of merging the push again. 0: no key.
+  incarnation: int = 0
+  sequence: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,34 +135,86 @@ class Reassembler:
   """Rebuilds a payload from offset-tagged chunks that must arrive in order.
 
   Memory grows with the bytes that actually arrived, never with the size a header declared: a sender that
-  declares a large payload and sends nothing costs nothing.
+  declares a large payload and sends nothing costs nothing. `into`: a buffer of exactly the declared size
+  that the receiver already holds (a reused one, see `wire.BufferPool`) to copy the chunks into instead.
   """
 
-  def __init__(self, total_size: int, what: str = "payload"):
+  def __init__(self, total_size: int, what: str = "payload", into: bytearray | None = None):
     if total_size < 0:
       raise ProtocolError("oversize", f"{what}: negative declared size {total_size}")
     self.total_size = int(total_size)
     self._what = what
+    if into is not None and len(into) != self.total_size:
+      raise ValueError(f"{what}: a buffer of {len(into)} bytes for {self.total_size}")
+    self._into = into
+    self._received = 0
     self._buf = bytearray()
 
   @property
   def received(self) -> int:
-    return len(self._buf)
+    return self._received
 
   def add(self, offset: int, data: bytes) -> None:
-    if offset != len(self._buf):
+    if offset != self._received:
       raise ProtocolError("sequence", f"{self._what}: chunk out of sequence: offset {offset}, expected "
-                          f"{len(self._buf)}")
-    if len(self._buf) + len(data) > self.total_size:
+                          f"{self._received}")
+    if self._received + len(data) > self.total_size:
       raise ProtocolError("oversize", f"{self._what} exceeds its declared size of {self.total_size} bytes")
-    self._buf += data
+    if self._into is not None:
+      self._into[offset:offset + len(data)] = data
+    else:
+      self._buf += data
+    self._received += len(data)
 
-  def finish(self) -> bytes:
-    if len(self._buf) != self.total_size:
+  def finish(self, *, copy: bool = True) -> bytes | bytearray:
+    """The payload. `copy=False` hands over the buffer itself (a bytearray, one payload-sized copy fewer;
+    the caller then owns it and must not change it while the payload is in use)."""
+    if self._received != self.total_size:
       raise ProtocolError("truncated", f"truncated {self._what}: declared {self.total_size} bytes, received "
-                          f"{len(self._buf)}")
-    out, self._buf = bytes(self._buf), bytearray()
+                          f"{self._received}")
+    buf = self._into if self._into is not None else self._buf
+    out, self._buf, self._into = (bytes(buf) if copy else buf), bytearray(), None
     return out
+
+
+class BufferPool:
+  """Payload buffers kept for reuse: a fresh buffer of a fragment's size costs the kernel's page faults,
+  about twice the transfer itself on loopback, more than a copy into a warm one (docs/benchmarks.md),
+  and the same sizes come back every round. Buffers enter the pool only after a transfer filled them (`adopt`), never on a declared size,
+  and one is handed out again (`take`) only when nothing else references it: the core drops a push's
+  payload when its round closes, a learner its pulled payload once decoded, the downlink its full
+  answer when the next version replaces it (CPython reference counts, so
+  a buffer anyone still reads is never reused). At most `limit_bytes` are kept."""
+
+  def __init__(self, limit_bytes: int):
+    self.limit_bytes = limit_bytes
+    self._buffers: list[bytearray] = []
+    self._lock = threading.Lock()
+
+  def take(self, size: int) -> bytearray | None:
+    """A pooled buffer of exactly `size` bytes that nobody holds, or None."""
+    with self._lock:
+      for buf in self._buffers:
+        # References: the pool's list, this loop variable, getrefcount's argument.
+        if len(buf) == size and sys.getrefcount(buf) <= 3:
+          return buf
+    return None
+
+  def adopt(self, buf: bytearray) -> None:
+    """Keep `buf` (just filled by a transfer) for reuse, if it fits the limit (else the oldest free
+    buffers make room, or it is not kept)."""
+    with self._lock:
+      if any(b is buf for b in self._buffers):
+        return
+      held = sum(len(b) for b in self._buffers)
+      for old in list(self._buffers):
+        if held + len(buf) <= self.limit_bytes:
+          break
+        if sys.getrefcount(old) <= 4:  # the pool's list, the copy iterated, `old`, the argument: free
+          self._buffers.remove(old)
+          held -= len(old)
+      if held + len(buf) <= self.limit_bytes:
+        self._buffers.append(buf)
 
 
 # ---- the two interfaces ----------------------------------------------------------------------------------
@@ -171,7 +250,8 @@ class Transport(Protocol):
     is a delta from it when the syncer can serve one, else the full fragment."""
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:
@@ -198,7 +278,8 @@ class SyncerAPI(Protocol):
            have_epoch: int = 0) -> Published | None:
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
     ...
 
   def status(self) -> dict:
@@ -206,6 +287,11 @@ class SyncerAPI(Protocol):
 
   def max_payload_bytes(self) -> int:
     """The largest payload a valid push can carry: the service never buffers more for one push."""
+    ...
+
+  def check_learner_id(self, learner_id: int) -> None:
+    """Raise `Rejected("learner_id")` unless the id is one of this run's learners (calls whose core
+    method takes no learner id, such as `pull`, are checked with it by the transport)."""
     ...
 
 

@@ -2,7 +2,9 @@
 DiLoCo learner share.
 
 `MeshTrainer` owns the sharded train state, its data shard (a grain iterator), the jitted inner and eval
-steps, checkpoints and the step/token counters. `run_loop` is the loop skeleton both the baseline and the
+steps, checkpoints and the step/token counters. Its mesh may span several processes (a multi-host
+learner): every process then builds the same trainer, reads only its own rows of each batch
+(`mesh.process_rows`), and writes the checkpoints together with the others. `run_loop` is the loop skeleton both the baseline and the
 learners run (metrics records, evals, checkpoints); what differs (the learner's outer loop) happens inside
 the step function they hand it.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
 import time
 from typing import Callable, Sequence
 
@@ -35,28 +36,36 @@ class MeshTrainer:
   Args:
     config: the run's ConfigDict.
     devices: the devices of this replica's mesh (a learner's slice, or all devices for the baseline).
-    workdir: where checkpoints go (`<workdir>/checkpoints`); None disables checkpoints.
+    workdir: where checkpoints go (`<workdir>/checkpoints`, local or `gs://`); None disables checkpoints.
     batch_size: sequences per step for this replica.
     num_shards / shard_index: this replica's disjoint data shard.
     async_checkpoints: False for trainers that share a process (see `TrainCheckpointer`).
+    checkpoint_dir: where checkpoints go instead of `<workdir>/checkpoints` (local or `gs://`).
   """
 
   def __init__(self, config, devices: Sequence[jax.Device], workdir: str | os.PathLike | None, *,
-               batch_size: int, num_shards: int = 1, shard_index: int = 0, async_checkpoints: bool = True):
+               batch_size: int, num_shards: int = 1, shard_index: int = 0, async_checkpoints: bool = True,
+               checkpoint_dir: str | os.PathLike | None = None):
     self.config = config
     self.mesh = mesh_lib.make_mesh(devices, mesh_lib.mesh_axes_from_config(config))
     self.graphdef, self.state, self.shardings = inner.init_state(config, self.mesh)
     self.step_fn = inner.make_inner_step(self.graphdef, config.train, self.mesh, self.shardings)
     self.eval_fn = inner.make_eval_step(self.graphdef, self.mesh, self.shardings.params)
     self.batch_size = batch_size
+    # This process's rows of every batch: all of them unless the mesh spans several processes.
+    self.rows = mesh_lib.process_rows(self.mesh, batch_size)
+    rows = self.rows[1] - self.rows[0]
     self.data = data_lib.train_iterator(config.data, batch_size=batch_size, num_shards=num_shards,
-                                        shard_index=shard_index, seed=config.seed)
+                                        shard_index=shard_index, seed=config.seed,
+                                        part=self.rows[0] // rows, num_parts=batch_size // rows)
     self._eval_batches = None
     self.step = 0  # host copy of state.step: reading the device copy would stall the dispatch queue
     self.tokens = 0
     self.checkpointer = None
-    if workdir is not None:
-      self.checkpointer = checkpoint_lib.TrainCheckpointer(pathlib.Path(workdir) / "checkpoints",
+    if checkpoint_dir is None and workdir is not None:
+      checkpoint_dir = checkpoint_lib.join(workdir, "checkpoints")
+    if checkpoint_dir is not None:
+      self.checkpointer = checkpoint_lib.TrainCheckpointer(checkpoint_dir,
                                                            keep=config.train.keep_checkpoints,
                                                            async_save=async_checkpoints)
     self.last_metrics = None
@@ -90,9 +99,10 @@ class MeshTrainer:
   def train_step(self):
     """One inner step; returns its metrics as device arrays (not fetched)."""
     batch = next(self.data)
-    self.state, metrics = self.step_fn(self.state, inner.put_batch(batch["tokens"], self.mesh))
+    self.state, metrics = self.step_fn(self.state, inner.put_batch(batch["tokens"], self.mesh, self.batch_size))
     self.step += 1
-    self.tokens += data_lib.tokens_in_batch(batch)
+    # The whole batch's tokens (this process's rows are only part of it).
+    self.tokens += data_lib.tokens_in_batch(batch) * self.batch_size // len(batch["tokens"])
     self.last_metrics = metrics
     return metrics
 
@@ -107,17 +117,29 @@ class MeshTrainer:
   def evaluate(self, params=None) -> float:
     """Mean loss over the held-out eval batches (the same batches every time, in every replica)."""
     if self._eval_batches is None:
-      # The same eval set for every replica, whatever its train batch: data.global_batch sequences a batch.
-      host = data_lib.eval_batches(self.config.data, batch_size=self.config.data.global_batch,
-                                   num_batches=self.config.data.eval_batches)
-      self._eval_batches = [inner.put_batch(b["tokens"], self.mesh) for b in host]
-    params = self.state.params if params is None else params
-    losses = [self.eval_fn(params, b) for b in self._eval_batches]
-    return float(np.mean(jax.device_get(losses)))
+      self._eval_batches = eval_set(self.config, self.mesh)
+    return mean_loss(self.eval_fn, self.state.params if params is None else params, self._eval_batches)
 
   def close(self) -> None:
     if self.checkpointer is not None:
       self.checkpointer.close()
+
+
+def eval_set(config, mesh) -> list[jax.Array]:
+  """The run's shared eval set on `mesh`: `data.eval_batches` batches of `data.global_batch` sequences,
+  the same for every replica and evaluator whatever its train batch, so their eval losses compare."""
+  host = data_lib.eval_batches(config.data, batch_size=config.data.global_batch,
+                               num_batches=config.data.eval_batches)
+  out = []
+  for b in host:  # every process holds the whole eval batch and feeds its rows of it
+    start, stop = mesh_lib.process_rows(mesh, len(b["tokens"]))
+    out.append(inner.put_batch(b["tokens"][start:stop], mesh, len(b["tokens"])))
+  return out
+
+
+def mean_loss(eval_fn, params, batches: Sequence[jax.Array]) -> float:
+  """Mean of `eval_fn(params, batch)` over `batches` (one host sync at the end)."""
+  return float(np.mean(jax.device_get([eval_fn(params, b) for b in batches])))
 
 
 class RateMeter:

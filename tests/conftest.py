@@ -7,12 +7,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib  # noqa: E402
-
 import pytest  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
+from configs import tiny_cpu  # noqa: E402
 # Compiled programs are cached across tests (and across runs, by the CLI's default cache): most tests
 # build the same tiny model, and on 2 cores compiling is most of their time.
 from diloco_jax import cli  # noqa: E402
@@ -23,6 +20,12 @@ cli.enable_compilation_cache()
 @pytest.fixture
 def tiny_config():
   """The tiny_cpu config, unlocked so a test can change fields."""
-  from configs import tiny_cpu
-
   return tiny_cpu.get_config()
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory):
+  """A tokenizer and ArrayRecord shards of a few hundred KB of stdlib sources (helpers.make_token_data)."""
+  import helpers
+
+  return helpers.make_token_data(tmp_path_factory.mktemp("token_data"))

@@ -6,11 +6,12 @@ before anything here imports jax.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
-import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from typing import Sequence
 
@@ -19,6 +20,8 @@ import pytest
 
 from diloco_jax import codec as codec_lib
 from diloco_jax import launch_local
+from diloco_jax import shards
+from diloco_jax import tokenizer
 from diloco_jax.protocol import Push
 from diloco_jax.syncer.core import SyncerCore, SyncerSettings
 from diloco_jax.syncer.policy import QuorumPolicy
@@ -44,8 +47,9 @@ def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str
               **settings) -> SyncerCore:
   """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
   "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
-  staleness_beta, ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
+  staleness_beta, num_learners (default 8), ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
   policy_fields = {f: settings.pop(f) for f in ("gamma", "tau", "min_grace_s") if f in settings}
+  settings.setdefault("num_learners", 8)
   s = SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec, downlink_codec=downlink,
                      block=block, outer_lr=lr, outer_momentum=momentum, fingerprint=fingerprint,
                      policy=QuorumPolicy(min_quorum=k, max_grace_s=max_grace_s, **policy_fields), **settings)
@@ -86,10 +90,7 @@ def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
   pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+free_port = launch_local.free_port
 
 
 # ---- real processes --------------------------------------------------------------------------------------
@@ -144,10 +145,25 @@ class ProcessRun:
     self.port = int(port_file.read_text())
     return proc
 
-  def learner(self, i: int) -> subprocess.Popen:
-    return self.spawn(f"learner_{i}", ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
-                                       "--learner-id", str(i), "--workdir", str(self.tmp / f"learner_{i}"),
-                                       "--token-file", str(self.token_file)])
+  def learner(self, i: int, devices: int = 1, extra: Sequence[str] = (), name: str | None = None
+              ) -> subprocess.Popen:
+    return self.spawn(name or f"learner_{i}",
+                      ["learner", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}", "--learner-id", str(i),
+                       "--workdir", str(self.tmp / f"learner_{i}"), "--token-file", str(self.token_file), *extra],
+                      devices=devices)
+
+  def group_learner(self, i: int, hosts: int, devices_per_host: int = 1) -> list[subprocess.Popen]:
+    """Learner i as `hosts` processes joined by jax.distributed on loopback, named learner_<i>_p<p>."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [self.learner(i, devices_per_host, ["--coordinator", coordinator, "--num-processes", str(hosts),
+                                               "--process-id", str(p)], name=f"learner_{i}_p{p}")
+            for p in range(hosts)]
+
+  def evaluator(self) -> subprocess.Popen:
+    """The global model's evaluator process, in tmp/global."""
+    return self.spawn("evaluator", ["evaluator", *self.config_argv, "--syncer", f"127.0.0.1:{self.port}",
+                                    "--workdir", str(self.tmp / "global"), "--token-file", str(self.token_file),
+                                    "--poll-s", "0.2"])
 
   def status(self) -> dict:
     with GrpcTransport(f"127.0.0.1:{self.port}", PROCESS_TOKEN, -1, unreachable_deadline_s=30.0) as t:
@@ -174,3 +190,54 @@ class ProcessRun:
       if proc.poll() is None:
         proc.kill()
       proc.wait()
+
+
+# ---- tokenized data --------------------------------------------------------------------------------------
+
+TOKEN_VOCAB = 1000  # small enough to train in a few seconds, large enough for real merges
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """A small tokenized corpus made by the real commands' functions: `corpus/` (stdlib sources), a
+  SentencePiece model and ArrayRecord shards (small records, so windows span records)."""
+
+  corpus: pathlib.Path
+  tokenizer: pathlib.Path
+  shards: pathlib.Path
+  meta: dict
+
+  def overrides(self) -> dict:
+    """Config fields that read this corpus."""
+    return {"data.format": "array_record", "data.tokenizer": str(self.tokenizer),
+            "data.train_files": f"{self.shards}/train-*.array_record",
+            "data.eval_files": f"{self.shards}/eval-*.array_record", "model.vocab_size": TOKEN_VOCAB}
+
+  def apply(self, config):
+    """`config` reading this corpus (changed in place and returned)."""
+    for field, value in self.overrides().items():
+      section, name = field.split(".")
+      config[section][name] = value
+    return config
+
+
+def make_token_data(root: pathlib.Path, max_bytes: int = 300_000, num_shards: int = 4,
+                    chunk_tokens: int = 100) -> TokenData:
+  """Writes the first `max_bytes` of the standard library's top-level modules to `root/corpus` (one file
+  each), trains a tokenizer on them and tokenizes them into `num_shards` train shards."""
+  corpus = root / "corpus"
+  corpus.mkdir(parents=True)
+  stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  total = 0
+  for path in sorted(stdlib.glob("*.py")):
+    text = path.read_bytes()
+    if total + len(text) > max_bytes:
+      continue
+    (corpus / path.name).write_bytes(text)
+    total += len(text)
+  model = tokenizer.train_sentencepiece((t for _, t in tokenizer.read_documents(str(corpus))), TOKEN_VOCAB)
+  tok_path = root / "tok.model"
+  tok_path.write_bytes(model)
+  meta = shards.write_shards(tokenizer.load(str(tok_path)), str(corpus), str(root / "tokens"),
+                             num_shards=num_shards, chunk_tokens=chunk_tokens)
+  return TokenData(corpus=corpus, tokenizer=tok_path, shards=root / "tokens", meta=meta)

@@ -33,6 +33,21 @@ def test_verdict():
   assert not wan.verdict(rows)["met"]
 
 
+def test_paper_link_is_the_published_reduction_of_data_parallel(tiny_config):
+  """1/236 of a ring all-reduce of the fp32 gradient every bare step; the paper's mode is P = H, int4."""
+  rate = wan.paper_link(params=1_000_000, workers=8, bare_step_s=0.5)
+  assert rate == pytest.approx(2 * 7 / 8 * 4e6 / 0.5 / 236)
+  assert wan.paper_link(1_000_000, 1, 0.5) == wan.paper_link(1_000_000, 2, 0.5)  # at least two workers
+  # int4 at 0.5625 bytes per parameter: one fragment per step fits from H = ceil(0.5625 N / link per step).
+  per_step = rate * 0.5
+  h = wan.min_sync_every(1_000_000, 0.5625, per_step)
+  assert 1_000_000 * 0.5625 / h <= per_step < 1_000_000 * 0.5625 / (h - 1)
+  tiny_config.outer.sync_every = 30
+  mode = wan.paper_mode(tiny_config)
+  assert (mode.num_fragments, mode.codec, mode.downlink_codec) == (30, "int4", "int4")
+  assert mode.tau >= 1 and mode.max_in_flight == mode.tau + 1  # the schedule's own in-flight need
+
+
 @pytest.mark.slow
 def test_end_to_end_fast_link(tiny_config):
   """Both modes run against a real gRPC syncer; the same syncs happen and move the whole model."""

@@ -119,3 +119,144 @@ def test_chunked_coding_is_byte_identical_to_one_pass(fmt, block, monkeypatch):
   monkeypatch.setattr(codec, "_CHUNK_ELEMS", 300)  # many chunks, and a ragged last one
   assert codec.encode(vec, fmt, block) == one_pass
   np.testing.assert_array_equal(codec.decode(one_pass, fmt, vec.size, block), decoded)
+
+
+# ---- the chunk kernels against one-pass references ------------------------------------------------------
+
+
+def _reference_encode(vec, name, block):
+  """The codec formats written out in one pass, without chunks or tricks (the module docstring's words)."""
+  vec = np.asarray(vec, np.float32).reshape(-1)
+  if name == "fp32":
+    return vec.tobytes()
+  if name == "bf16":
+    bits = vec.view(np.uint32).astype(np.uint64)
+    top = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return top.tobytes()
+  qmax = 127 if name == "int8" else 7
+  nb = -(-vec.size // block)
+  blocks = np.zeros(nb * block, np.float32)
+  blocks[:vec.size] = vec
+  blocks = blocks.reshape(nb, block)
+  absmax = np.abs(blocks).max(axis=1)
+  scales = (absmax / np.float32(qmax)).astype(np.float32)
+  with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    inv = np.where(absmax > 0, np.float32(qmax) / np.where(absmax > 0, absmax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[:, None]), -qmax, qmax)
+  q[np.isinf(inv)] = np.nan_to_num(q[np.isinf(inv)], nan=0.0)  # a denormal absmax: zeros stay zeros
+  q = q.astype(np.int8).reshape(-1)
+  if name == "int8":
+    return q.tobytes() + scales.astype("<f4").tobytes()
+  nibbles = (q + 8).astype(np.uint8)
+  if nibbles.size % 2:
+    nibbles = np.append(nibbles, np.uint8(0))
+  return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes() + scales.astype("<f4").tobytes()
+
+
+def _reference_decode(payload, name, size, block):
+  if name == "fp32":
+    return np.frombuffer(payload, "<f4").copy()
+  if name == "bf16":
+    return (np.frombuffer(payload, "<u2").astype(np.uint32) << 16).view(np.float32)
+  nb = -(-size // block)
+  scales = np.frombuffer(payload, "<f4", offset=len(payload) - 4 * nb)
+  if name == "int8":
+    q = np.frombuffer(payload, np.int8, count=nb * block).astype(np.float32)
+  else:
+    packed = np.frombuffer(payload, np.uint8, count=len(payload) - 4 * nb)
+    q = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[:nb * block].astype(np.float32) - 8
+  return (q.reshape(nb, block) * scales[:, None]).reshape(-1)[:size]
+
+
+def _kernel_vectors():
+  rng = np.random.default_rng(5)
+  for size, block in ((1, 64), (63, 64), (129, 64), (5000, 7), (70_001, 64), (70_001, 1)):
+    vec = (rng.standard_normal(size) * rng.uniform(1e-3, 1e3)).astype(np.float32)
+    vec[size // 3:size // 3 + 2 * block] = 0.0  # whole zero blocks
+    vec[size // 2] = -1e-40  # a denormal
+    yield vec, block
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_chunk_kernels_are_bitwise_the_one_pass_formats(name, monkeypatch):
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  for vec, block in _kernel_vectors():
+    payload = codec.encode(vec, name, block)
+    assert payload == _reference_encode(vec, name, block), (vec.size, block)
+    err = np.abs(codec.decode(payload, name, vec.size, block).astype(np.float64) - vec)
+    assert (err <= codec.error_bound(vec, name, block)).all()  # a denormal's block included
+    np.testing.assert_array_equal(codec.decode(payload, name, vec.size, block).view(np.uint32),
+                                  _reference_decode(payload, name, vec.size, block).view(np.uint32))
+    # encode_residual: encode(target - reference) and reference += decode(payload), bitwise.
+    reference = np.random.default_rng(vec.size).standard_normal(vec.size).astype(np.float32)
+    updated = reference.copy()
+    residual_payload = codec.encode_residual(vec, updated, name, block, threads=2)
+    assert residual_payload == _reference_encode(vec - reference, name, block)
+    expected = reference + _reference_decode(residual_payload, name, vec.size, block)
+    np.testing.assert_array_equal(updated.view(np.uint32), expected.view(np.uint32))
+    # decode_accumulate: out += w * decode, within a float32 rounding of each product.
+    out = reference.copy()
+    codec.decode_accumulate(payload, name, out, 0.3, block)
+    decoded = _reference_decode(payload, name, vec.size, block)
+    np.testing.assert_allclose(out, reference + np.float32(0.3) * decoded, rtol=0,
+                               atol=2 * 2.0**-24 * (np.abs(reference) + np.abs(decoded)).max())
+    enc = codec.parse(payload, name, vec.size, block)
+    assert codec.finite(enc)
+    np.testing.assert_allclose(codec.sum_squares(enc, threads=3), np.sum(decoded.astype(np.float64)**2),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+@pytest.mark.parametrize("size,block", [(70_001, 64), (3001, 7), (1000, 4), (5, 64), (200_000, 128)])
+def test_norm_without_decoding_is_the_decoded_norm(name, size, block, monkeypatch):
+  """`norm` (code tables and scales for int8 / int4) against the norm of the decoded vector: equal up to
+  float32's rounding of the decoded values, on any thread count, whatever a payload's padding codes hold."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
+  rng = np.random.default_rng(size + block)
+  vec = (rng.standard_normal(size) * rng.uniform(0.01, 3.0)).astype(np.float32)
+  payload = bytearray(codec.encode(vec, name, block))
+  if name in ("int8", "int4"):  # hostile padding: codes past `size` in the last block are no part of it
+    padded = -(-size // block) * block
+    first, last = (size, padded) if name == "int8" else (-(-size // 2), -(-padded // 2))
+    payload[first:last] = b"\x7f" * (last - first)
+  payload = bytes(payload)
+  decoded = codec.decode(payload, name, size, block).astype(np.float64)
+  expected = np.sqrt(decoded @ decoded)
+  enc = codec.parse(payload, name, size, block)
+  got = codec.norm(enc)
+  assert abs(got - expected) <= 2.0**-22 * expected
+  assert codec.norm(enc, threads=3) == got
+  zeros = codec.parse(codec.encode(np.zeros(size, np.float32), name, block), name, size, block)
+  assert codec.norm(zeros) == 0.0
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_finite_catches_every_nonfinite_decode(name):
+  for bad in (np.nan, np.inf, -np.inf):
+    vec = np.ones(1000, np.float32)
+    vec[777] = bad
+    payload = codec.encode(vec, name)
+    assert not np.isfinite(codec.decode(payload, name, vec.size)).all()
+    assert not codec.finite(codec.parse(payload, name, vec.size))
+
+
+@pytest.mark.parametrize("name,largest", [("int8", -128), ("int4", 0)])
+def test_finite_catches_hostile_codes_beyond_float32(name, largest):
+  """A finite scale whose block holds a code the honest encoder never writes (-128 for int8, nibble 0 =
+  -8 for int4) can decode to -inf: `finite` looks at such blocks' values, not only at the scales."""
+  size = 256
+  payload = bytearray(codec.encode(np.ones(size, np.float32), name))
+  nb = size // 64
+  scales = np.frombuffer(payload, "<f4", offset=len(payload) - 4 * nb).copy()
+  honest = 127 if name == "int8" else 7
+  scales[2] = np.finfo(np.float32).max / (honest + 0.5)  # finite, and honest codes x scale stay finite
+  payload[len(payload) - 4 * nb:] = scales.tobytes()
+  enc = codec.parse(bytes(payload), name, size)
+  assert codec.finite(enc)  # honest codes only: every value finite
+  if name == "int8":
+    payload[2 * 64 + 5] = 0x80  # -128
+  else:
+    payload[(2 * 64 + 5) // 2] &= 0xF0  # low nibble 0: code -8
+  hostile = codec.parse(bytes(payload), name, size)
+  assert not np.isfinite(codec.decode(bytes(payload), name, size)).all()
+  assert not codec.finite(hostile)

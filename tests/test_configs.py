@@ -5,19 +5,20 @@ The big configs (m150, b1, b12) are only ever built abstractly here: shapes, nev
 
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
 import jax
 import pytest
 
+import helpers
+
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import model as model_lib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = helpers.REPO
 CONFIG_FILES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
 # Nominal sizes of the big configs, in parameters; the abstract count must be within 20%.
 NOMINAL_PARAMS = {"m150": 150e6, "b1": 1e9, "b12": 12e9}
@@ -170,3 +171,47 @@ def test_validate_rejects_two_fill_axes(tiny_config):
 def test_validate_rejects_learners_beyond_devices(tiny_config):
   tiny_config.learners.num, tiny_config.learners.devices = 4, 4
   _expect_error(tiny_config, "learners.devices", num_devices=8, learners=True)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_paper_schedule_one_fragment_per_step_on_every_config(path):
+  """P = H (Decoupled DiLoCo's default: one fragment due every inner step) plans on every shipped config,
+  from abstract shapes: H fragments, every element of every leaf in exactly one piece, none empty, and
+  the bytes per step even to within 2x of the mean."""
+  c = _load(path).get_config()
+  _, abstract = model_lib.abstract_model(c.model, _one_device_mesh())
+  h = c.outer.sync_every
+  for kind in fragments.PLANS:
+    plan = fragments.make_plan(abstract, h, h, kind)
+    assert plan.num_fragments == h and sorted(plan.offsets) == list(range(h))
+    covered = {}
+    for p in range(h):
+      assert plan.size(p) > 0
+      for leaf, shape, a, b in plan.pieces(p):
+        covered.setdefault(leaf, []).append((a, b))
+    leaves = fragments.flatten(abstract)
+    assert set(covered) == set(leaves)
+    for leaf, ranges in covered.items():  # disjoint ranges that tile [0, size)
+      ranges.sort()
+      assert ranges[0][0] == 0 and ranges[-1][1] == leaves[leaf].size, leaf
+      assert all(b0 == a1 for (_, b0), (a1, _) in zip(ranges, ranges[1:])), leaf
+    sizes = [plan.size(p) for p in range(h)]
+    assert sum(sizes) == model_lib.count_params(abstract)
+    assert max(sizes) <= 2 * sum(sizes) / h, kind
+
+
+def test_impossible_fragment_plans_are_config_errors_before_compiling(capsys):
+  """`cli.validated` makes the run's fragment plan from abstract shapes: P = H plans on small_cpu (its 4
+  layer groups split into pieces), and a P no plan can reach exits with a message naming the field."""
+  from diloco_jax import cli
+
+  c = _load(REPO / "configs" / "small_cpu.py").get_config()
+  c.outer.num_fragments = c.outer.sync_every = 20
+  cli.validated(c, None, learners=True, data=False)
+  tiny = _load(REPO / "configs" / "tiny_cpu.py").get_config()
+  tiny.model.update(d_model=2, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, mlp_dim=1)
+  tiny.outer.sync_every = tiny.outer.num_fragments = 5000  # more fragments than the model's parameters
+  with pytest.raises(SystemExit) as e:
+    cli.validated(tiny, None, learners=True, data=False)
+  assert e.value.code == 2
+  assert "config.outer.num_fragments" in capsys.readouterr().err

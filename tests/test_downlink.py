@@ -292,13 +292,15 @@ def test_version_zero_reference_is_the_same_in_every_epoch():
                                 c.reference(0)[1])
 
 
-@pytest.mark.parametrize("quorum", [0, 1])
-def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quorum):
+@pytest.mark.parametrize("quorum, num_fragments", [(0, 2), (1, 5)])
+def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quorum, num_fragments):
   """Two learners train with an int4 downlink (K = all, and K = 1 where deltas start from older versions);
-  each one's device base is R of the version it adopted."""
+  each one's device base is R of the version it adopted (P = 5 = H: leaves split into pieces, each piece's
+  base rebuilt from the deltas bitwise)."""
   config = tiny_cpu.get_config()
   config.train.steps = 20
   config.outer.sync_every = 5
+  config.outer.num_fragments = num_fragments
   config.outer.downlink_codec = "int4"
   config.outer.min_quorum = quorum
   config.learners.num = 2

@@ -79,13 +79,73 @@ def test_abstract_params_and_jax_arrays():
   np.testing.assert_array_equal(fragments.gather(plan, on_device, 1), fragments.gather(plan, params, 1))
 
 
-def test_too_many_fragments_raise():
+def _numbered(params):
+  """params with every element replaced by its global index (as float32), so a gather shows which
+  elements a fragment holds."""
+  leaves = fragments.flatten(params)
+  out, start = {}, 0
+  for path in sorted(leaves):
+    n = np.asarray(leaves[path]).size
+    out[path] = np.arange(start, start + n, dtype=np.float32).reshape(np.shape(leaves[path]))
+    start += n
+  return out, start
+
+
+def _check_exact_cover(plan, params):
+  """Every element of every leaf in exactly one fragment, each fragment non-empty, and assemble(gather)
+  gives back every leaf."""
+  numbered, total = _numbered(params)
+  vectors = [fragments.gather(plan, numbered, p) for p in range(plan.num_fragments)]
+  assert all(v.size > 0 for v in vectors)
+  np.testing.assert_array_equal(np.sort(np.concatenate(vectors)), np.arange(total, dtype=np.float32))
+  back = fragments.flatten(fragments.assemble(plan, [fragments.gather(plan, params, p)
+                                                     for p in range(plan.num_fragments)], params))
+  flat = fragments.flatten(params)
+  assert set(back) == set(flat)
+  for path, arr in back.items():
+    np.testing.assert_array_equal(arr, flat[path])
+  for p in range(plan.num_fragments):
+    assert list(plan.paths[p]) == sorted(plan.paths[p]) and len(set(plan.paths[p])) == len(plan.paths[p])
+
+
+@pytest.mark.parametrize("kind", ["strided", "balanced"])
+@pytest.mark.parametrize("num_layers,num_fragments,sync_every", [(2, 5, 8), (6, 9, 12), (6, 12, 12), (1, 30, 30)])
+def test_plans_split_large_tensors_when_groups_run_out(kind, num_layers, num_fragments, sync_every):
+  params = fake_params(num_layers=num_layers, vocab=64)
+  plan = fragments.make_plan(params, num_fragments, sync_every, kind=kind)
+  assert plan.num_fragments == num_fragments and len(set(plan.offsets)) == num_fragments
+  _check_exact_cover(plan, params)
+  split = [(p, path, a, b) for p in range(num_fragments) for path, shape, a, b in plan.pieces(p)
+           if b - a != np.prod(shape)]
+  assert split  # some leaf was cut
+  sizes = [plan.size(p) for p in range(num_fragments)]
+  assert max(sizes) <= 2 * sum(sizes) / num_fragments + 2 * 16  # halving the largest keeps them even
+  # A cut falls on a row boundary of a 2-D leaf when it can: the embedding's pieces are whole rows.
+  for p, path, a, b in split:
+    if path == "embed/embedding" and b - a >= 8:
+      assert a % 8 == 0 and b % 8 == 0
+  # A fragment of pieces has no leaves of its own to scatter into.
+  with pytest.raises(ValueError, match="assemble"):
+    fragments.scatter(plan, split[0][0], np.zeros(plan.size(split[0][0]), np.float32))
+
+
+def test_plans_without_splitting_are_unchanged():
+  """Up to the number of groups, the plans are the whole-group plans (no piece of any leaf)."""
+  params = fake_params()
+  for kind, P in (("strided", 6), ("balanced", 8)):
+    plan = fragments.make_plan(params, P, 12, kind=kind)
+    assert all(b - a == np.prod(s) for p in range(P) for _, s, a, b in plan.pieces(p))
+    if kind == "strided":
+      assert plan.fragment_of("layers/5/attn/q/kernel") == 5
+
+
+def test_impossible_plans_raise_naming_the_field():
   with pytest.raises(ValueError, match="outer.num_fragments"):
-    fragments.make_plan(fake_params(num_layers=2), 4, 8, kind="strided")  # fragment 2 would be empty
-  with pytest.raises(ValueError, match="outer.num_fragments"):
-    fragments.make_plan(fake_params(num_layers=6), 9, 12, kind="balanced")  # 8 groups
+    fragments.make_plan({"w": np.zeros(3, np.float32)}, 4, 8)  # more fragments than elements
   with pytest.raises(ValueError, match="outer.num_fragments"):
     fragments.make_plan(fake_params(), 5, 4)  # P > H
+  plan = fragments.make_plan({"w": np.zeros(3, np.float32)}, 3, 8)  # one element each
+  assert [plan.size(p) for p in range(3)] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("num_fragments,sync_every", [(1, 5), (2, 8), (3, 10), (4, 4), (4, 13)])
@@ -113,3 +173,26 @@ def test_scatter_rejects_wrong_size_and_replace_leaves():
   new = fragments.replace_leaves(params, fragments.scatter(plan, 1, vec))
   np.testing.assert_array_equal(fragments.gather(plan, new, 1), vec)
   np.testing.assert_array_equal(fragments.gather(plan, new, 0), fragments.gather(plan, params, 0))
+
+
+def test_get_and_set_leaves_copy_only_the_way_to_them():
+  params = fake_params()
+  params["tup"] = (np.zeros(2, np.float32), {"x": np.ones(3, np.float32)})
+  keys = fragments.leaf_keys(params)
+  want = (keys["layers/2/attn/q/kernel"], keys["tup/1/x"], keys["embed/embedding"])
+  got = fragments.get_leaves(params, want)
+  assert got[1] is params["tup"][1]["x"] and got[0] is params["layers"][2]["attn"]["q"]["kernel"]
+  new = fragments.set_leaves(params, want, ("a", "b", "c"))
+  assert new["layers"][2]["attn"]["q"]["kernel"] == "a" and new["tup"][1]["x"] == "b"
+  assert new["embed"]["embedding"] == "c" and isinstance(new["tup"], tuple)
+  assert new["layers"][1] is params["layers"][1] and new["final_norm"] is params["final_norm"]  # shared
+  assert params["layers"][2]["attn"]["q"]["kernel"] is got[0]  # the original is untouched
+  assert new == fragments.replace_leaves(params, {"layers/2/attn/q/kernel": "a", "tup/1/x": "b",
+                                                  "embed/embedding": "c"})
+
+
+def test_in_flight_limit_follows_the_schedule():
+  assert fragments.in_flight_limit(0, 2, 20, 2) == 2  # the default schedule: what max_in_flight was
+  assert fragments.in_flight_limit(0, 24, 24, 2) == 3  # P = H: a snapshot every step, adopted tau later
+  assert fragments.in_flight_limit(0, 4, 4, 0) == 1  # synchronous
+  assert fragments.in_flight_limit(5, 24, 24, 2) == 5  # a set value is kept

@@ -13,6 +13,7 @@ import pytest
 
 import helpers
 from diloco_jax import codec as codec_lib
+from diloco_jax import wire
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol import PushReceipt, Rejected
@@ -83,8 +84,9 @@ def test_long_poll_wakes_on_publish(syncer):
 def test_byte_counters_are_messages_plus_frame_headers(syncer):
   core, handle = syncer
   frame = grpc_transport.GRPC_FRAME_BYTES
-  with client(handle, chunk_bytes=1500) as t:
+  with client(handle, chunk_bytes=1500, data_plane=False) as t:  # gRPC for the payloads too
     t.join(0, FP)
+    assert t.data_port == 0
     sent0, received0 = t.bytes_sent, t.bytes_received
     assert sent0 == pb.JoinRequest(learner_id=0, fingerprint=FP).ByteSize() + frame
     push = make_push(core)
@@ -111,7 +113,8 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
                                                   timeout_s=0.0).ByteSize() + frame
 
 
-def test_delta_downlink_over_the_wire(monkeypatch):
+@pytest.mark.parametrize("data_plane", [False, True])
+def test_delta_downlink_over_the_wire(monkeypatch, data_plane):
   # int4 downlink: a learner that says it holds version 0 gets the int4 delta from R_0, with kind,
   # base_version and the syncer's epoch in the header; one that holds nothing gets the full fp32 reference.
   # Past version 0, the delta needs the epoch of the learner's reference to come back as the core's.
@@ -119,13 +122,17 @@ def test_delta_downlink_over_the_wire(monkeypatch):
   core = helpers.make_core((1000,), downlink="int4", initial=[r0])
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
   try:
-    with client(handle) as t:
+    with client(handle, data_plane=data_plane) as t:
       t.join(0, FP)
+      assert (t.data_port != 0) == data_plane
       t.push(make_push(core))
       sent0 = t.bytes_sent
       delta = t.pull(0, 1, timeout_s=5.0, have_version=0)
-      assert t.bytes_sent - sent0 == pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1,
-                                                    timeout_s=5.0, have_version=0, have_epoch=0).ByteSize() + 5
+      request = pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1, timeout_s=5.0,
+                               have_version=0, have_epoch=0).ByteSize()
+      # gRPC: the message and its 5-byte frame; the data plane: HMAC, op and length, then the message.
+      framing = wire.MAC_BYTES + 1 + 4 if data_plane else 5
+      assert t.bytes_sent - sent0 == request + framing
       assert (delta.kind, delta.base_version, delta.version, delta.codec) == ("delta", 0, 1, "int4")
       assert delta.epoch == core.epoch
       assert len(delta.payload) == codec_lib.encoded_size(1000, "int4", 64)
@@ -231,7 +238,7 @@ def _bad_calls(core):
        grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("join_other_run", lambda s, m: s.Join(pb.JoinRequest(learner_id=5, fingerprint="another-run"),
                                              metadata=m),
-       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", False),
+       grpc.StatusCode.PERMISSION_DENIED, "fingerprint", True),
       ("not_joined", lambda s, m: s.Push(iter([_header(good, learner_id=3)] + _chunks(good.payload)),
                                          metadata=m),
        grpc.StatusCode.FAILED_PRECONDITION, "unknown_learner", True),
@@ -302,20 +309,26 @@ def test_client_translates_refusals(syncer):
       t.status()
 
 
-def test_rate_limit():
+def test_rate_limit_is_per_caller_and_the_client_backs_off():
   core = make_core()
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN,
-                            limits=service.Limits(rate_per_s=0.5, rate_burst=3))
+                         limits=service.Limits(rate_per_s=2.0, rate_burst=3))
   try:
-    with client(handle) as t:
+    with client(handle, unreachable_deadline_s=0.2, backoff_s=0.05) as t:
       t.join(0, FP)
       t.heartbeat(0, 0.1)
       t.heartbeat(0, 0.1)
-      with pytest.raises(grpc_transport.SyncerError) as info:
+      # Over the rate, within a deadline too short for the bucket to refill: given up, saying why.
+      with pytest.raises(grpc_transport.SyncerUnreachable, match="RESOURCE_EXHAUSTED.*calls/s"):
         t.heartbeat(0, 0.1)
-      assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert t.retries >= 1
+    with client(handle, unreachable_deadline_s=30.0, backoff_s=0.05) as t:
+      for _ in range(6):  # past the burst: the client backs off until the bucket refills
+        t.heartbeat(0, 0.1)
+      assert t.retries >= 1
     with client(handle, learner_id=1) as t:  # per learner: another one is not throttled
       t.join(1, FP)
+    assert handle.servicer.counters()["refused_resource_exhausted"] >= 2
   finally:
     handle.stop(grace=0)
 
@@ -399,6 +412,19 @@ def test_mutual_tls(certs):
                                       tls_cert=str(certs / "client.pem"),
                                       tls_key=str(certs / "client.key")) as t:
       assert t.join(0, FP) == {0: 0, 1: 0}
+      # Payloads take the data plane, under TLS with the same certificates (not the gRPC fallback).
+      assert t.data_port == handle.data_plane.port
+      t.push(make_push(core))
+      assert t.pull(0, 1, timeout_s=5.0).payload == core.pull(0, 1).payload
+      assert handle.servicer.counters()["data_pushes"] == 1 and handle.servicer.counters()["data_pulls"] == 1
+    # A plaintext connection to the TLS data port gets no hello, and the core sees nothing.
+    with socket.create_connection(("127.0.0.1", handle.data_plane.port), timeout=5) as raw:
+      raw.sendall(b"\x00" * 64)
+      try:
+        assert not raw.recv(64).startswith(b"DLCD")
+      except (ConnectionError, socket.timeout):
+        pass
+    assert core.status()["versions"] == [1, 0]
     # Without a client certificate the handshake fails (reported as UNAVAILABLE: retried, then given up).
     with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
                                       unreachable_deadline_s=0.3, backoff_s=0.1) as t:

@@ -65,6 +65,10 @@ RULES = [
     ("diloco_jax.syncer.core", "diloco_jax.model", "the core knows no model"),
     ("diloco_jax.syncer.downlink", "diloco_jax.model", "the core knows no model"),
     ("diloco_jax.syncer.policy", "diloco_jax", "the policy is pure arithmetic, shared with the simulator"),
+    ("diloco_jax.evaluator", "diloco_jax.syncer", "the evaluator is an observer: it knows the syncer only "
+     "through protocol + transports"),
+    ("diloco_jax.evaluator.loop", "grpc", "the evaluator's loop runs in process too (train), without grpc"),
+    ("diloco_jax.evaluator.loop", "diloco_jax.transports", "the evaluator's loop takes any Transport"),
 ]
 
 

@@ -78,3 +78,28 @@ def test_a_fragment_due_again_waits_for_its_sync_and_counts_the_wait(tiny_config
   finally:
     learner.flush()
     job.close()
+
+
+def test_split_fragments_one_due_every_step_keep_the_outer_loop_invisible(tiny_config):
+  """P = H: one fragment due at every step, more fragments than the model has layer groups, so the plan
+  cuts leaves into pieces. With the identity outer step and the local progress kept, the learner still
+  follows plain training: every piece is snapshotted, merged and adopted in place of its leaf range."""
+  c = _identity_outer_loop(tiny_config, tau=1, keep_local_progress=True)
+  c.outer.num_fragments = c.outer.sync_every = 6
+  devices = jax.devices()[:2]
+  plain = trainer_lib.MeshTrainer(c, devices, None, batch_size=c.data.global_batch)
+  job = inprocess.InProcessRun(c, None, devices=devices)
+  learner = job.learners[0]
+  try:
+    plan = learner.plan
+    assert any(b - a != np.prod(shape) for p in range(6) for _, shape, a, b in plan.pieces(p))
+    learner.join()
+    for _ in range(13):
+      plain.train_step()
+      learner.train_step()
+    learner.flush()
+  finally:
+    job.close()
+  assert learner.stats.syncs >= 13 and learner.stats.adopted == learner.stats.syncs
+  assert _params_close(learner.trainer.state.params, plain.state.params)
+  assert job.core.status()["versions"] == [learner.base_version[p] for p in range(6)]

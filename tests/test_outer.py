@@ -1,9 +1,12 @@
-"""Outer math: merge rules against their formulas, the Nesterov outer step against a hand recurrence."""
+"""Outer math: merge rules against their formulas, the Nesterov outer step against a hand recurrence, and
+the syncer's fused path (in place, in chunks) against the unfused functions."""
 
+import jax
 import numpy as np
+import optax
 import pytest
 
-from diloco_jax import outer
+from diloco_jax import codec, outer
 
 
 def test_outer_gradient():
@@ -112,3 +115,189 @@ def test_lr1_momentum0_is_plain_overwrite():
   local = glob - np.arange(16, dtype=np.float32)[::-1] / 64
   new, _ = outer.outer_step(tx, glob, outer.init_outer_state(tx, glob), outer.outer_gradient(glob, local))
   np.testing.assert_array_equal(new, local)
+
+
+# ---- the fused merge path (the syncer's): in place, in chunks, against the unfused reference ----------
+
+
+@pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (0.8, 0.5), (1.0, 0.0)])
+def test_numpy_nesterov_matches_optax_to_float32_rounding(lr, mu):
+  """`nesterov_step_` (numpy, in place) against optax's sgd(nesterov=True), jitted: XLA contracts each
+  multiply-add into a fused multiply-add, numpy rounds twice, so the two agree to an ulp or two a step."""
+  tx = outer.make_outer_optimizer(lr, mu)
+  rng = np.random.default_rng(3)
+  theta = rng.standard_normal(4099).astype(np.float32)
+  state = outer.init_outer_state(tx, theta)
+  mine, momentum = theta.copy(), np.zeros_like(theta)
+  for step in range(5):
+    g = (rng.standard_normal(theta.size) * 0.1).astype(np.float32)
+    theta, state = outer.outer_step(tx, theta, state, g)
+    g_before = g.copy()
+    outer.nesterov_step_(mine, momentum, g, lr, mu)
+    np.testing.assert_array_equal(g, g_before)  # the gradient is kept
+    # Each of the three roundings is within half an ulp of the operands' magnitude (|theta|, |g| ~ 1).
+    np.testing.assert_allclose(mine, theta, rtol=0, atol=(step + 1) * 4 * 2.0**-24 * np.abs(theta).max())
+    assert (mine == theta).mean() > 0.5  # mostly bitwise equal: the formulas are the same
+    np.testing.assert_allclose(momentum, jax.tree.leaves(state)[0], rtol=1e-6, atol=1e-7)
+  if mu == 0.0 and lr == 1.0:  # nothing to contract: bitwise
+    np.testing.assert_array_equal(mine, theta)
+
+
+def _contributions(size, codec_name, block, count, seed=0):
+  rng = np.random.default_rng(seed)
+  scales = rng.uniform(0.01, 2.0, count)
+  vecs = [(rng.standard_normal(size) * s).astype(np.float32) for s in scales]
+  return [codec.encode(v, codec_name, block) for v in vecs]
+
+
+@pytest.mark.parametrize("codec_name", codec.CODECS)
+@pytest.mark.parametrize("rda", [False, True])
+@pytest.mark.parametrize("size,block", [(70_001, 64), (3001, 7)])
+def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, monkeypatch):
+  """`apply_round` (decode, weigh, sum and step chunk by chunk, in place) against decoding every payload,
+  `merge`, scaling, and optax's step: equal to float32 rounding, and bitwise the same on 1 or 3 threads."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
+  payloads = _contributions(size, codec_name, block, 4)
+  decoded = [codec.decode(p, codec_name, size, block) for p in payloads]
+  raw = outer.raw_weights([100, 250, 0, 75], [10, 10, 10, 5], "tokens_sq_per_step")
+  weights = outer.merge_coefficients(raw, float(raw.sum()), 4, [0, 1, 0, 2], 0.5)
+  weights = weights / weights.sum()  # `apply_round` normalizes; its `scale` says how far the round moves
+  norms = [float(np.linalg.norm(d.astype(np.float64))) for d in decoded]
+  np.testing.assert_allclose([np.sqrt(codec.sum_squares(codec.parse(p, codec_name, size, block)))
+                              for p in payloads], norms, rtol=1e-12)
+  tx = outer.make_outer_optimizer(0.7, 0.9)
+  rng = np.random.default_rng(1)
+  theta0 = rng.standard_normal(size).astype(np.float32)
+  ref_theta, ref_state = theta0, outer.init_outer_state(tx, theta0)
+  fused = {t: (theta0.copy(), np.zeros(size, np.float32)) for t in (1, 3)}
+  for scale in (1.0, 0.75):  # two rounds: the second one steps with momentum
+    merged = outer.merge(decoded, weights, rda=rda) * scale
+    ref_theta, ref_state = outer.outer_step(tx, ref_theta, ref_state, merged)
+    for threads, (theta, momentum) in fused.items():
+      outer.apply_round(theta, momentum, payloads, weights, codec_name=codec_name, block=block, lr=0.7, mu=0.9,
+                        rda=rda, norms=norms, scale=scale, threads=threads)
+  theta, momentum = fused[1]
+  np.testing.assert_array_equal(theta, fused[3][0])
+  np.testing.assert_array_equal(momentum, fused[3][1])
+  ref_momentum = jax.tree.leaves(ref_state)[0]
+  top = np.abs(ref_momentum).max()
+  np.testing.assert_allclose(momentum, ref_momentum, rtol=1e-5, atol=1e-6 * top)
+  np.testing.assert_allclose(theta, ref_theta, rtol=1e-5, atol=1e-6 * np.abs(ref_theta).max())
+  assert not np.array_equal(theta, theta0)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_delayed_nesterov_matches_the_optimizer(threads, monkeypatch):
+  """Partial rounds through `apply_round` (pending sum, `share_after`) against `outer_step` with the same
+  shares: the momentum moves only when the shares add up to a full round, and the result equals the
+  optimizer's to float32 rounding (quarter rounds, a carry beyond a full round, a full round after)."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  size = 20_000
+  rng = np.random.default_rng(5)
+  tx = outer.make_outer_optimizer(0.7, 0.9)
+  theta0 = rng.standard_normal(size).astype(np.float32)
+  ref_theta, ref_state = theta0, outer.init_outer_state(tx, theta0)
+  theta, momentum, pending = theta0.copy(), np.zeros(size, np.float32), np.zeros(size, np.float32)
+  pending_share, moved = 0.0, []
+  for share in (0.25, 0.25, 0.25, 0.25, 0.6, 0.6, 1.0, 0.3):
+    payload = codec.encode((0.01 * rng.standard_normal(size)).astype(np.float32), "int8")
+    merged = codec.decode(payload, "int8", size) * np.float32(share)
+    ref_theta, ref_state = outer.outer_step(tx, ref_theta, ref_state, merged, share)
+    full, pending_share = outer.share_after(pending_share, share)
+    before = momentum.copy()
+    result = outer.apply_round(theta, momentum, [payload], [1.0], codec_name="int8", block=64, lr=0.7, mu=0.9,
+                               scale=share, threads=threads, pending=pending, full=full)
+    assert result.applied
+    moved.append(not np.array_equal(momentum, before))
+    np.testing.assert_allclose(pending_share, float(ref_state.share), atol=1e-6)
+    np.testing.assert_allclose(theta, ref_theta, rtol=1e-5, atol=1e-6 * np.abs(ref_theta).max())
+    np.testing.assert_allclose(momentum, ref_state.trace, rtol=1e-5, atol=1e-6 * max(np.abs(momentum).max(), 1e-30))
+    np.testing.assert_allclose(pending, ref_state.pending, rtol=1e-5, atol=1e-7)
+  # Quarter rounds move the momentum on the 4th; 0.6 + 0.6 on the 2nd (0.2 carried); 1.0 at once.
+  assert moved == [False, False, False, True, False, True, True, False]
+
+
+def test_fused_round_edge_cases():
+  size = 1000
+  zero = codec.encode(np.zeros(size, np.float32), "int4")
+  other = codec.encode(np.linspace(-1, 1, size).astype(np.float32), "int4")
+  theta, momentum = np.ones(size, np.float32), np.zeros(size, np.float32)
+  # RDA over zero deltas only: no direction, a zero gradient (the momentum, 0, stays 0).
+  outer.apply_round(theta, momentum, [zero, zero], [1, 1], codec_name="int4", block=64, lr=0.7, mu=0.9,
+                    rda=True, norms=[0.0, 0.0])
+  np.testing.assert_array_equal(theta, 1.0)
+  # A zero weight contributes nothing: the same as leaving it out.
+  a = (np.ones(size, np.float32), np.zeros(size, np.float32))
+  b = (np.ones(size, np.float32), np.zeros(size, np.float32))
+  outer.apply_round(*a, [other, zero], [1.0, 0.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
+  outer.apply_round(*b, [other], [1.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
+  np.testing.assert_array_equal(a[0], b[0])
+  with pytest.raises(ValueError, match="weights"):
+    outer.apply_round(theta, momentum, [other], [0.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
+  with pytest.raises(ValueError, match="one weight per payload"):
+    outer.apply_round(theta, momentum, [other, other], [1.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
+  with pytest.raises(ValueError, match="writable float32"):
+    outer.apply_round(theta.astype(np.float64), momentum, [other], [1.0], codec_name="int4", block=64, lr=0.7,
+                      mu=0.9)
+  with pytest.raises(codec.CodecError):
+    outer.apply_round(theta, momentum, [other[:-1]], [1.0], codec_name="int4", block=64, lr=0.7, mu=0.9)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_round_is_all_or_nothing(threads, monkeypatch):
+  """The in-place step writes only a result proven or checked finite: the same values whichever way, the
+  new norms with them, and nothing at all when any chunk of the result would overflow."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  size = 50_000
+  rng = np.random.default_rng(3)
+  theta0 = rng.standard_normal(size).astype(np.float32)
+  momentum0 = (0.01 * rng.standard_normal(size)).astype(np.float32)
+  vecs = [(0.01 * rng.standard_normal(size)).astype(np.float32) for _ in range(2)]
+  payloads = [codec.encode(v, "int4") for v in vecs]
+  norms = [codec.norm(codec.parse(p, "int4", size, 64)) for p in payloads]
+  state_norms = (float(np.linalg.norm(theta0)), float(np.linalg.norm(momentum0)))
+  kw = dict(codec_name="int4", block=64, lr=0.7, mu=0.9, norms=norms, threads=threads)
+  proven = (theta0.copy(), momentum0.copy())
+  checked = (theta0.copy(), momentum0.copy())
+  r1 = outer.apply_round(*proven, payloads, [1.0, 2.0], state_norms=state_norms, **kw)
+  r2 = outer.apply_round(*checked, payloads, [1.0, 2.0], **kw)  # no state norms: nothing to prove with
+  assert r1.applied and not r1.checked and r2.applied and r2.checked
+  np.testing.assert_array_equal(proven[0], checked[0])
+  np.testing.assert_array_equal(proven[1], checked[1])
+  assert not np.array_equal(proven[0], theta0)
+  np.testing.assert_allclose([r1.global_norm, r1.momentum_norm],
+                             [np.linalg.norm(proven[0].astype(np.float64)),
+                              np.linalg.norm(proven[1].astype(np.float64))], rtol=1e-5)
+  # A finite result beyond what the norms can prove (a huge global) is checked first, then written.
+  big = theta0 * np.float32(1e37)
+  big_state = (big.copy(), momentum0.copy())
+  r3 = outer.apply_round(*big_state, payloads, [1.0, 2.0],
+                         state_norms=(float(np.linalg.norm(big.astype(np.float64))), state_norms[1]), **kw)
+  assert r3.applied and r3.checked and np.isfinite(big_state[0]).all()
+  # Overflow in the last chunk only: nothing written, and what would have overflowed is named.
+  hostile = vecs[0].copy()
+  hostile[-10:] = 3e38
+  bad = [codec.encode(hostile, "fp32")] * 2
+  bad_norms = [codec.norm(codec.parse(bad[0], "fp32", size, 64))] * 2
+  state = (theta0.copy(), momentum0.copy())
+  r4 = outer.apply_round(*state, bad, [1.0, 1.0], codec_name="fp32", block=64, lr=0.7, mu=0.9, norms=bad_norms,
+                         state_norms=state_norms, threads=threads)
+  assert not r4.applied and r4.checked and "new global fragment" in r4.nonfinite
+  np.testing.assert_array_equal(state[0], theta0)
+  np.testing.assert_array_equal(state[1], momentum0)
+
+
+def test_momentum_from_old_and_new_checkpoints():
+  tx = optax.sgd(learning_rate=0.7, momentum=0.9, nesterov=True)  # what older syncers stepped with
+  theta = np.arange(5, dtype=np.float32)
+  state = tx.init(theta)
+  updates, state = tx.update(np.ones(5, np.float32), state, theta)
+  old_entry = outer.state_to_numpy(state)  # what syncer checkpoints held before: optax's state tree
+  m = outer.momentum_from_state(old_entry, 5)
+  np.testing.assert_array_equal(m, jax.tree.leaves(state)[0])
+  assert m.flags.writeable and m.dtype == np.float32
+  np.testing.assert_array_equal(outer.momentum_from_state(m, 5), m)
+  with pytest.raises(ValueError, match="elements"):
+    outer.momentum_from_state(m, 6)
+  with pytest.raises(ValueError, match="arrays"):
+    outer.momentum_from_state((m, m), 5)

@@ -30,15 +30,21 @@ def total_versions(status: dict) -> int:
   return sum(status["versions"])
 
 
-def test_syncer_and_two_learners_over_grpc(tmp_path):
+def test_syncer_two_learners_and_the_evaluator_over_grpc(tmp_path):
   run = Run(tmp_path, overrides(steps=20))
   try:
     syncer = run.syncer()
+    evaluator = run.evaluator()
     run.learner(0)
     run.learner(1)
     run.wait_ok("learner_0")
     run.wait_ok("learner_1")
+    evaluator.send_signal(signal.SIGTERM)  # a last eval of the final global model, then exit
+    run.wait_ok("evaluator")
     status = run.status()
+    status_command = subprocess.run(
+        [sys.executable, "-m", "diloco_jax", "status", "--syncer", f"127.0.0.1:{run.port}", "--token-file",
+         str(run.token_file)], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(60) == 0, run.log("syncer")
   finally:
@@ -53,9 +59,29 @@ def test_syncer_and_two_learners_over_grpc(tmp_path):
     assert s["steps"] == 20 and s["completed"] and not s["restored"] and s["syncs"] >= 4
     assert s["rejected_pushes"] == []
   counters, server = status["counters"], status["server"]
-  # Payload bytes: exactly what the core counted, at both ends, in both directions.
+  # The evaluator observed without joining: only the learners were ever members.
+  # Only the two learners ever joined (the evaluator is an observer); a learner that left may be pruned.
+  assert set(status["members"]) <= {"0", "1"} and counters["joins"] == 2
+  # It evaluated the initial model, then (on SIGTERM) the final one: lower.
+  evals = [json.loads(line) for line in (tmp_path / "global" / "metrics.jsonl").read_text().splitlines()]
+  assert len(evals) == 2 and evals[0]["versions"] == [0, 0] and evals[-1]["versions"] == status["versions"]
+  assert evals[-1]["final"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5
+  assert evals[-1]["tokens"] == sum(s["tokens"] for s in summaries)  # every token merged, and counted
+  # Payload bytes: exactly what the core counted, at both ends, in both directions; the evaluator pulled
+  # the whole model in fp32 for each eval.
   assert sum(s["payload_bytes_sent"] for s in summaries) == counters["bytes_in"] == server["push_bytes"]
-  assert sum(s["payload_bytes_received"] for s in summaries) == counters["bytes_out"] == server["pull_bytes"]
+  observer_bytes = len(evals) * 4 * summaries[0]["params"]
+  assert sum(s["payload_bytes_received"] for s in summaries) + observer_bytes == counters["bytes_out"] \
+      == server["pull_bytes"]
+  # `status` against the live syncer: both learners, gone (left) after their last step.
+  assert status_command.returncode == 0, status_command.stderr
+  rows = [line.split() for line in status_command.stdout.splitlines()]
+  learner_rows = [r for r in rows if r[:2] in (["0", "left"], ["1", "left"])]
+  assert len(learner_rows) == 2 and all(0 < int(r[2]) <= 20 for r in learner_rows), status_command.stdout
+  # Every process saved the config it ran with, and they agree on the fingerprint.
+  dirs = [tmp_path / "syncer", tmp_path / "learner_0", tmp_path / "learner_1", tmp_path / "global"]
+  assert len({(d / "fingerprint.txt").read_text() for d in dirs}) == 1
+  assert all(json.loads((d / "config.json").read_text())["train"]["steps"] == 20 for d in dirs)
   assert sum(s["pushes"] for s in summaries) == server["pushes"] == counters["contributions_merged"]
   # Wire bytes add the framing: protobuf fields + 5-byte gRPC prefix per message, and the small calls
   # (join, heartbeat, pull requests, leave) that carry no payload.
@@ -130,6 +156,37 @@ def test_syncer_killed_and_restarted_from_checkpoint(tmp_path):
   assert status["counters"]["joins"] >= 2  # the rejoins after the restart (counters come from the checkpoint)
 
 
+def test_sigterm_ends_a_learner_stuck_on_a_dead_syncer_with_its_checkpoint(tmp_path):
+  # The syncer dies (kill -9) and stays dead: the learner's syncs can never complete, and its flush would
+  # retry for comms.unreachable_deadline_s (120 s here). SIGTERM ends it within comms.shutdown_grace_s
+  # (plus teardown), exit 0, with a checkpoint of the step it reached.
+  grace = 3.0
+  run = Run(tmp_path, overrides(steps=5000, **{"comms.shutdown_grace_s": grace}))
+  try:
+    syncer = run.syncer()
+    learner = run.learner(0)
+    wait_for(lambda: run.step(0) >= 12, "learner 0 to train and sync a few times")
+    syncer.send_signal(signal.SIGKILL)
+    syncer.wait()
+    time.sleep(1.0)  # it trains on until a sync it waits for never comes
+    start = time.monotonic()
+    learner.send_signal(signal.SIGTERM)
+    try:
+      rc = learner.wait(90)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"learner still running 90 s after SIGTERM:\n{run.log('learner_0')}")
+    took = time.monotonic() - start
+  finally:
+    run.kill_all()
+  assert rc == 0, run.log("learner_0")
+  assert took < grace + 60, took  # well under the 120 s of retries it would otherwise sit through
+  s = run.summary(0)
+  assert s["stopped_by_signal"] and s["flush_abandoned"] and not s["completed"]
+  steps = sorted(int(p.name) for p in (tmp_path / "learner_0" / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] == s["steps"] >= 12
+  assert "abandoning the syncs in flight" in run.log("learner_0")
+
+
 def _children(pid: int) -> list[psutil.Process]:
   try:
     return psutil.Process(pid).children(recursive=True)
@@ -141,7 +198,7 @@ def _children(pid: int) -> list[psutil.Process]:
 def test_launcher_runs_and_merges_summaries(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=15), "--learners", "2",
-          "--workdir", str(workdir), "--eval=false"]
+          "--workdir", str(workdir)]
   proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
                         timeout=TIMEOUT_S + 60)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -149,8 +206,32 @@ def test_launcher_runs_and_merges_summaries(tmp_path):
   assert [s["learner"] for s in summary["learners"]] == [0, 1]
   assert all(s["steps"] == 15 for s in summary["learners"])
   assert summary["syncer"]["counters"]["bytes_in"] == summary["payload_bytes_sent"]
-  assert sum(summary["versions"]) >= 2 and summary["exit_codes"] == {"learner 0": 0, "learner 1": 0, "syncer": 0}
+  assert sum(summary["versions"]) >= 2
+  assert summary["exit_codes"] == {"learner 0": 0, "learner 1": 0, "evaluator": 0, "syncer": 0}
   assert (workdir / "token").stat().st_mode & 0o777 == 0o600
+  assert {p.name for p in (workdir / "logs").iterdir()} == {"syncer.log", "evaluator.log", "learner_0.log",
+                                                            "learner_1.log"}
+  # The global model's curve ends at the final model, which the launcher evaluated too (from the syncer's
+  # checkpoint: the same global model, up to the downlink codec's last quantized delta).
+  assert summary["global_eval"]["latest"]["versions"] == summary["versions"]
+  assert summary["global_eval"]["final_eval_loss"] == pytest.approx(summary["final_eval_loss"], abs=0.05)
+  # It ends by saying where the TensorBoard logs and the plots are, and they are there.
+  assert f"tensorboard --logdir {workdir}" in proc.stderr
+  assert {p.name for p in (workdir / "plots").iterdir()} == {"eval_loss.png", "step_rate.png", "versions.png",
+                                                             "bytes.png"}
+  assert (workdir / "config.json").exists() and (workdir / "global" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_launcher_without_eval_starts_no_evaluator(tmp_path):
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=5), "--learners", "2",
+          "--workdir", str(workdir), "--eval=false"]
+  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+                        timeout=TIMEOUT_S + 60)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["exit_codes"] == {"learner 0": 0, "learner 1": 0, "syncer": 0} and "final_eval_loss" not in summary
   assert {p.name for p in (workdir / "logs").iterdir()} == {"syncer.log", "learner_0.log", "learner_1.log"}
 
 
@@ -189,3 +270,21 @@ def test_launcher_sigint_stops_every_child(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
+
+
+@pytest.mark.slow
+def test_shipped_tiny_run_over_grpc_refuses_nothing(tmp_path):
+  # The shipped tiny_cpu config with the launcher's defaults: the service's limits (rates, slots, stream
+  # watch) and the core's merge safety leave every legitimate call and push alone.
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "diloco_jax", "local", "--config", "configs/tiny_cpu.py", "--learners", "2",
+          "--workdir", str(workdir), "--eval=false"]
+  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  counters, server = summary["syncer"]["counters"], summary["syncer"]["server"]
+  assert counters["contributions_rejected"] == 0 and counters["rounds_refused"] == 0
+  assert counters["pushes_duplicate"] == 0 and counters["tick_errors"] == 0
+  assert not [k for k in server if k.startswith("refused_")] and "streams_cut" not in server
+  assert summary["tokens_merged"] == summary["tokens"]

@@ -3,18 +3,19 @@ published comparisons only where they apply, and the CLI."""
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import helpers
+
 from diloco_jax.sim import bandwidth, cli, goodput, plots, rounds
 from diloco_jax.syncer import policy as syncer_policy
 
 NEVER_FAILS = 1e12  # years
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(helpers.REPO)
 HALF_18_SLOWER_8 = ((1 / 1.18, 4), (1.0, 4))  # the paper's mixed hardware: 4 learners 18% slower
 
 

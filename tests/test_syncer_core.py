@@ -198,7 +198,10 @@ def _bad_pushes():
   nan[3], inf[5] = np.nan, -np.inf
   p = make_push(0, good)
   return [
-      ("unknown_learner", make_push(99, good)),
+      ("unknown_learner", make_push(5, good)),  # a learner of the run that never joined
+      ("learner_id", make_push(99, good)),  # not a learner of the run at all
+      ("learner_id", make_push(-1, good)),
+      ("learner_id", make_push(2**31 - 1, good)),
       ("fingerprint", make_push(0, good, fingerprint="other-run")),
       ("unknown_fragment", make_push(0, good, fragment=7)),
       ("unknown_fragment", make_push(0, good, fragment=-1)),
@@ -296,7 +299,7 @@ def test_state_dict_roundtrip():
       for i in range(2):
         c.push(make_push(i, rng.standard_normal(n), fragment=p, base_version=v))
   with pytest.raises(Rejected):
-    c.push(make_push(9, np.ones(8)))
+    c.push(make_push(5, np.ones(8)))
   state = c.state_dict()
   assert state["versions"] == [3, 3] and state["rounds"] == [3, 3]
   fresh, _ = make_core(num_learners=2, k=2, sizes=(8, 6), lr=0.7, momentum=0.9, max_grace_s=0.0)
@@ -322,7 +325,7 @@ def test_pull_waits_and_times_out():
 def test_in_process_transport_two_threads():
   settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
                                      block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
-                                     fingerprint=FP)
+                                     fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
   results, errors = {}, []
   barrier = threading.Barrier(2)
@@ -367,7 +370,7 @@ def test_in_process_transport_two_threads():
 
 def test_ticker_closes_rounds_without_other_calls():
   settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP)
+      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
@@ -379,6 +382,36 @@ def test_ticker_closes_rounds_without_other_calls():
     while core.status()["versions"] == [0] and time.monotonic() < give_up:
       time.sleep(0.01)
   assert core.status()["versions"] == [1]
+
+
+def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
+  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+      min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
+  core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
+  core.join(0, FP)
+  core.join(1, FP)
+  real_tick, failures = core.tick, [5]
+
+  def flaky_tick():
+    if failures[0] > 0:
+      failures[0] -= 1
+      raise RuntimeError("a bug in tick")
+    return real_tick()
+
+  core.tick = flaky_tick
+  with caplog.at_level("ERROR", logger="diloco_jax.syncer.ticker"):
+    with Ticker(core, period_s=0.01) as ticker:
+      payload = codec.encode(np.ones(4, np.float32), "fp32")
+      core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
+      give_up = time.monotonic() + 10.0
+      while core.status()["versions"] == [0] and time.monotonic() < give_up:
+        time.sleep(0.01)
+      assert ticker.alive
+  # The deadline-driven close still happened (nothing else ticks here), after five failed ticks.
+  assert core.status()["versions"] == [1]
+  assert core.status()["counters"]["tick_errors"] == 5
+  tracebacks = [r for r in caplog.records if r.exc_info]
+  assert len(tracebacks) == 1 and "a bug in tick" in caplog.text  # logged, at most once a minute
 
 
 def test_settings_from_config_and_status_is_json():
@@ -439,3 +472,29 @@ def test_core_closes_rounds_when_the_shared_policy_says(seed):
     assert closed_at is None
   else:
     assert closed_at == pytest.approx(expected, abs=1e-9), (closed_at, expected, arrivals, k, live, policy)
+
+
+@pytest.mark.parametrize("rda", [False, True])
+def test_core_rounds_match_the_unfused_outer_math(rda):
+  """The core's fused close (payloads held as they arrived, decoded, weighed, summed and stepped in one
+  chunked pass on 2 threads) against decode + `outer.merge` + optax's step, over two rounds."""
+  size, lr, mu = 5000, 0.7, 0.9
+  c = helpers.make_core((size,), codec="int4", k=3, lr=lr, momentum=mu, rda=rda, merge_threads=2,
+                        initial="linspace", max_grace_s=0.0, lease_s=100.0)
+  for i in range(3):
+    c.join(i, FP)
+  tx = outer.make_outer_optimizer(lr, mu)
+  theta = np.linspace(-1, 1, size, dtype=np.float32)
+  state = outer.init_outer_state(tx, theta)
+  rng = np.random.default_rng(0)
+  for version in range(2):
+    pushes = [helpers.make_push(i, rng.standard_normal(size) * (i + 1) * 0.01, core=c, base_version=version,
+                                tokens=100 * (i + 1), steps=10) for i in range(3)]
+    for p in pushes:
+      c.push(p)
+    decoded = [codec.decode(p.payload, "int4", size) for p in pushes]
+    raw = outer.raw_weights([p.tokens for p in pushes], [p.steps for p in pushes])
+    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, raw / raw.sum(), rda=rda))
+    assert c.status()["versions"] == [version + 1]
+    np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)

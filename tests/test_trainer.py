@@ -19,7 +19,7 @@ def test_tiny_baseline_loss_falls(tiny_config, tmp_path):
   assert last < first - 1.5, (first, last)
   assert records[-1]["loss"] < records[1]["loss"]
   assert summary["tokens"] == 40 * tiny_config.data.global_batch * tiny_config.data.seq_len
-  assert summary["comm_bytes"] == baseline.ring_allreduce_bytes(summary["params"], 8) * 40
+  assert summary["comm_bytes"] == metrics.ring_allreduce_bytes(summary["params"], 8) * 40
   assert (tmp_path / "summary.json").exists()
 
 

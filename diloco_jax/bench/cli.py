@@ -5,6 +5,8 @@
   overhead   a learner's tokens/s with its outer loop active against the bare inner step
   transport  fragment push/pull throughput over loopback gRPC against a raw socket copy
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
+  syncer     parameters the syncer absorbs per second (merge, outer step, downlink) against memory speed
+  multihost  a learner spanning several processes against one process on the same devices
   hetero     mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace, beside the
              simulator, the data-parallel baseline and the paper
 
@@ -13,7 +15,8 @@ Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 
 from diloco_jax import subcommands
 
-BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan", "hetero")}
+BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan",
+                                                             "syncer", "multihost", "hetero")}
 
 
 def main(argv) -> int:

@@ -43,6 +43,7 @@ from absl import flags
 from diloco_jax import baseline
 from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax import fragments as fragments_lib
 from diloco_jax import inprocess
 from diloco_jax import launch_local
 from diloco_jax import metrics as metrics_lib
@@ -193,7 +194,9 @@ def simulated(config, setting: str, speeds: tuple[float, ...], step_cv: float, s
       chips=m, strategy="diloco", learners=m, slice_chips=1, mtbi_chip_s=1e9 * sim_goodput.YEAR_S,
       step_s=step_s, step_cv=step_cv, inner_steps=o.sync_every, fragments=o.num_fragments, snapshot_s=0.0,
       t_sync_s=t_sync_s, min_quorum=o.min_quorum or m, tau=o.tau, grace_gamma=o.grace_gamma,
-      max_grace_s=o.max_grace_s, max_in_flight=o.max_in_flight, groups=groups, max_pushes=20_000)
+      max_grace_s=o.max_grace_s,
+      max_in_flight=fragments_lib.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau),
+      groups=groups, max_pushes=20_000)
   cfg = sim_goodput.with_quorum_setting(cfg, setting)
   return sim_goodput.simulate(cfg, repeats=repeats).goodput, sim_goodput.lockstep_goodput(cfg)
 

@@ -14,7 +14,6 @@ import pathlib
 import shutil
 import sys
 
-import jax
 from absl import flags
 
 from diloco_jax import baseline
@@ -30,8 +29,10 @@ def _flags(fv):
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
-  cli.validated(config, len(jax.devices()), learners=True)
-  cli.validated(config, len(jax.devices()), learners=False)
+  # The DiLoCo run's devices, which the baseline uses all of (its evaluator shares the first learner's).
+  available = len(cli.devices(config.learners.num * config.learners.devices, "bench quality"))
+  cli.validated(config, available, learners=True)
+  cli.validated(config, available, learners=False)
   root = pathlib.Path(fv.workdir)
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "

@@ -188,7 +188,8 @@ def _report(r: dict) -> str:
 def main(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
-  available = jax.devices()
+  available = cli.devices(fv.devices or config.mesh.num_devices or config.learners.num * config.learners.devices,
+                          "bench step")
   n = fv.devices or config.mesh.num_devices or len(available)
   if n > len(available):
     raise cli.UsageError(f"--devices asks for {n} devices but only {len(available)} exist")

@@ -1,14 +1,16 @@
-"""`python -m diloco_jax bench transport [--mb 64] [--json]`: fragment push/pull throughput over loopback gRPC.
+"""`python -m diloco_jax bench transport [--mb 64] [--json]`: fragment push/pull throughput over loopback.
 
 For each codec (fp32/bf16/int8/int4) a fragment of `--mb` MB of float32 parameters is encoded, then pushed
 to and pulled from a syncer service running in a separate process (so that each end's memory is its own),
-through the real client (`GrpcTransport`: chunking, auth, byte counters) and the real service
-(`syncer/service.py`: auth, validation, reassembly). Behind the service is a stub `SyncerAPI` that checks the
+through the real client (`GrpcTransport`: auth, byte counters) and the real service (`syncer/service.py`:
+auth, validation, reassembly), twice: payloads in gRPC chunks (`grpc`), and over the service's raw-TCP data
+plane (`data`: `syncer/dataplane.py`, with gRPC as the control plane). Behind the service is a stub `SyncerAPI` that checks the
 payload's CRC-32 and serves a pre-encoded fragment: the figures are the transport's, not the outer step's.
 Beside it, the same bytes go through a raw TCP socket in the same run: the floor that gRPC is measured
 against. Peak RSS: psutil high-water marks sampled every 2 ms in each process during each codec's transfers.
 
-MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`.
+MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`, after one
+untimed transfer of each kind (a steady state reuses its payload buffers, `wire.BufferPool`).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s):
+  def heartbeat(self, learner_id, step_time_s, step=None):
     pass
 
   def push(self, push):
@@ -103,6 +105,9 @@ class _BenchCore:
 
   def max_payload_bytes(self) -> int:
     return self._max_payload
+
+  def check_learner_id(self, learner_id) -> None:
+    pass
 
 
 def _raw_server(sock: socket.socket, size: int):
@@ -201,32 +206,10 @@ def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block:
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     raw_buf = bytearray(4 * size + 1024)
-    with GrpcTransport(f"127.0.0.1:{grpc_port}", token, 0, chunk_bytes=chunk_kb * 1024) as t:
-      t.join(0, "bench")
-      t.status()  # resets the server's RSS peak
-      for name in codecs:
-        i = CODECS.index(name)
-        payload = codec_lib.encode(vec, name, block)
-        push = Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
-                             codec=name, payload=payload, checksum=codec_lib.checksum(payload))
-        t.status()
-        sampler.reset()
-        sent0, recv0 = t.bytes_sent, t.bytes_received
-        push_s = _best(lambda: t.push(push), repeats)
-        pull_s = _best(lambda: t.pull(i, 0), repeats)
-        wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
-        client_rss = sampler.reset()
-        server_rss = t.status()["peak_rss"]
-        n = len(payload)
-        raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
-        raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
-        rows.append({
-            "codec": name, "params": size, "payload_mb": n / 1e6,
-            "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
-            "raw_send_mb_s": n / 1e6 / raw_push_s, "raw_recv_mb_s": n / 1e6 / raw_pull_s,
-            "framing_overhead": (wire_sent + wire_received) / (2 * repeats * n) - 1.0,
-            "client_peak_rss_mb": client_rss / 1e6, "server_peak_rss_mb": server_rss / 1e6,
-        })
+    for path in ("grpc", "data"):
+      with GrpcTransport(f"127.0.0.1:{grpc_port}", token, 0, chunk_bytes=chunk_kb * 1024,
+                         data_plane=path == "data") as t:
+        rows += _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size)
     raw.close()
     return rows
   finally:
@@ -237,21 +220,55 @@ def run(mb: float, codecs=CODECS, repeats: int = 3, chunk_kb: int = 1024, block:
       server.kill()
 
 
+def _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size) -> list[dict]:
+  rows = []
+  t.join(0, "bench")
+  assert (t.data_port != 0) == (path == "data"), "the data plane was not offered"
+  t.status()  # resets the server's RSS peak
+  for name in codecs:
+    i = CODECS.index(name)
+    payload = codec_lib.encode(vec, name, block)
+    push = Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
+                         codec=name, payload=payload, checksum=codec_lib.checksum(payload))
+    t.push(push)  # warm-up, untimed: steady state reuses payload buffers (`wire.BufferPool`)
+    t.pull(i, 0)
+    t.status()
+    sampler.reset()
+    sent0, recv0 = t.bytes_sent, t.bytes_received
+    push_s = _best(lambda: t.push(push), repeats)
+    pull_s = _best(lambda: t.pull(i, 0), repeats)
+    wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
+    client_rss = sampler.reset()
+    server_rss = t.status()["peak_rss"]
+    n = len(payload)
+    raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
+    raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
+    rows.append({
+        "codec": name, "path": path, "params": size, "payload_mb": n / 1e6,
+        "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
+        "raw_send_mb_s": n / 1e6 / raw_push_s, "raw_recv_mb_s": n / 1e6 / raw_pull_s,
+        "push_vs_raw": raw_push_s / push_s, "pull_vs_raw": raw_pull_s / pull_s,
+        "framing_overhead": (wire_sent + wire_received) / (2 * repeats * n) - 1.0,
+        "client_peak_rss_mb": client_rss / 1e6, "server_peak_rss_mb": server_rss / 1e6,
+    })
+  return rows
+
+
 def format_table(rows) -> str:
-  head = (f"{'codec':<6}{'payload MB':>11}{'push MB/s':>11}{'pull MB/s':>11}{'raw send':>10}{'raw recv':>10}"
-          f"{'framing':>9}{'client RSS':>12}{'server RSS':>12}")
+  head = (f"{'codec':<6}{'path':>5}{'payload MB':>11}{'push MB/s':>11}{'pull MB/s':>11}{'raw send':>10}"
+          f"{'raw recv':>10}{'push/raw':>9}{'pull/raw':>9}{'framing':>9}{'client RSS':>12}{'server RSS':>12}")
   lines = [head, "-" * len(head)]
   for r in rows:
-    lines.append(f"{r['codec']:<6}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
-                 f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{100 * r['framing_overhead']:>8.3f}%"
-                 f"{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
+    lines.append(f"{r['codec']:<6}{r['path']:>5}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
+                 f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{r['push_vs_raw']:>9.2f}{r['pull_vs_raw']:>9.2f}"
+                 f"{100 * r['framing_overhead']:>8.3f}%{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
   return "\n".join(lines)
 
 
 def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("mb", 64.0, "fragment size in MB of float32 (64 = 16M params)", flag_values=fv)
   flags.DEFINE_list("codecs", list(CODECS), "codecs to measure", flag_values=fv)
-  flags.DEFINE_integer("repeats", 3, "repeats per transfer (the best counts)", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "repeats per transfer after one untimed (the best counts)", flag_values=fv)
   flags.DEFINE_integer("chunk-kb", 1024, "gRPC chunk size", flag_values=fv)
   flags.DEFINE_integer("block", 64, "quantization block", flag_values=fv)
   flags.DEFINE_bool("json", False, "print the rows as JSON", flag_values=fv)

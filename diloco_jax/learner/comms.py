@@ -8,6 +8,9 @@ Fetches say which version's reference the learner holds (`have_version`, its bas
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
 (see `syncer/core.py`, "Downlink" and "Epochs").
+
+Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
+start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import secrets
 import statistics
 import threading
+import time
 
 import numpy as np
 
@@ -55,9 +61,13 @@ class Comms:
     self.pull_timeout_s = pull_timeout_s
     # Reported by the inner loop, read by the heartbeat thread.
     self._step_times: collections.deque[float] = collections.deque(maxlen=_STEP_TIME_WINDOW)
+    self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
     self.rejected: list[str] = []
+    self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
+    self._sequence = itertools.count(1)
     self._lock = threading.Lock()
     self._payload_sent = self._payload_received = self._pushes = 0
+    self._cpu_s = 0.0  # CPU time of the sync workers (encode, push, fetch, decode; an in-process core's merge)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
@@ -65,17 +75,29 @@ class Comms:
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
 
-  def report_step_time(self, seconds: float) -> None:
-    """The inner loop's latest step time. The median of the recent ones feeds the syncer's grace window:
-    robust to the noise of single steps (a compilation, a step that waited for the host), unlike a mean."""
+  def report_step_time(self, seconds: float, step: int | None = None) -> None:
+    """The inner loop's latest step time and, if given, its step count (the next heartbeat reports it).
+    The median of the recent step times feeds the syncer's grace window and goodput estimate: robust to
+    the noise of single steps (a step that waited for the host), unlike a mean. The first step a process
+    reports with its count is left out: it compiled."""
     with self._lock:
-      self._step_times.append(float(seconds))
+      warmup = step is not None and self._step is None
+      if step is not None:
+        self._step = int(step)
+      if not warmup:
+        self._step_times.append(float(seconds))
 
   @property
   def step_time_s(self) -> float:
     """The median of the last 32 reported step times (0 before the first)."""
     with self._lock:
       return statistics.median(self._step_times) if self._step_times else 0.0
+
+  @property
+  def cpu_s(self) -> float:
+    """CPU seconds the sync workers spent so far (their own threads' time)."""
+    with self._lock:
+      return self._cpu_s
 
   def traffic(self) -> dict[str, int]:
     """Bytes on the wire both ways (the transport's count: payload and framing, retries included), and the
@@ -135,12 +157,22 @@ class Comms:
     return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens)
 
   def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
+    cpu0 = time.thread_time()
+    try:
+      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens)
+    finally:
+      with self._lock:
+        self._cpu_s += time.thread_time() - cpu0
+
+  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
+    with self._lock:
+      sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload))
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence)
     del vec
     try:
       receipt = self._push(push)
@@ -178,7 +210,9 @@ class Comms:
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
       try:
-        self.transport.heartbeat(self.learner_id, self.step_time_s)
+        with self._lock:
+          step = self._step
+        self.transport.heartbeat(self.learner_id, self.step_time_s, step=step)
       except Rejected as e:
         if e.reason in REJOIN_REASONS:
           try:
@@ -187,6 +221,11 @@ class Comms:
             log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
         log.warning("learner %d: heartbeat failed: %s", self.learner_id, e)
+
+  def abandon(self) -> None:
+    """Stop waiting for syncs in flight: their fetch loops end with an error (the caller closes the
+    transport to end calls on the wire too). For a shutdown whose grace ran out."""
+    self._stop.set()
 
   def close(self, leave: bool = True) -> None:
     """Stop the workers and the heartbeat, then leave the quorum (`leave`). A sync still waiting for its

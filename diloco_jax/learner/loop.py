@@ -52,52 +52,75 @@ class LearnerStats:
   late_merges: int = 0
   blocked_s: float = 0.0
   compute_s: float = 0.0  # wall time of the inner loop outside blocked waits
+  outer_cpu_s: float = 0.0  # host CPU time of the outer loop's work at step boundaries (this thread)
 
 
-def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings, state_shardings):
-  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p.
+def _take(leaf, shape, a: int, b: int):
+  """The piece [a, b) of a leaf's flattened elements as a flat vector (whole rows sliced as rows)."""
+  row = math.prod(shape[1:]) if len(shape) > 1 else 1
+  if a == 0 and b == math.prod(shape):
+    return leaf.reshape(-1)
+  if a % row == 0 and b % row == 0:
+    return leaf[a // row:b // row].reshape(-1)
+  return leaf.reshape(-1)[a:b]
 
-  `adopt(state, base, global_vec, alpha)` takes the new global fragment; `adopt_delta` takes the syncer's
-  delta and rebuilds the global fragment as base + delta, one float32 add per element: the same IEEE
-  operation as the syncer's numpy reference update, so the base stays bitwise equal to its reference.
+
+def _put(leaf, shape, a: int, b: int, values):
+  """`leaf` with the piece [a, b) of its flattened elements replaced by the flat `values`."""
+  row = math.prod(shape[1:]) if len(shape) > 1 else 1
+  if a == 0 and b == math.prod(shape):
+    return values.reshape(shape)
+  if a % row == 0 and b % row == 0:
+    return leaf.at[a // row:b // row].set(values.reshape((b - a) // row, *shape[1:]))
+  return leaf.reshape(-1).at[a:b].set(values).reshape(shape)
+
+
+def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_shardings):
+  """Jitted (outer_gradient, {"full": adopt, "delta": adopt_delta}) for fragment p, on the leaves that
+  hold its pieces only (`fragment_leaves`: a tuple in plan order; the rest of the state is not passed,
+  so a call costs the fragment's leaves, not the model's).
+
+  `outer_gradient(base, params)` -> the flat float32 vector base - params over the fragment's pieces.
+  `adopt(params, base, global_vec, snapshot_vec, alpha, keep_progress)` -> (params, base) takes the new
+  global fragment; `adopt_delta` takes the syncer's delta and rebuilds the global fragment as base + delta,
+  one float32 add per element: the same IEEE operation as the syncer's numpy reference update, so the base
+  stays bitwise equal to its reference. A fragment is a list of pieces of leaves (whole leaves unless the
+  plan split them, `fragments.py`): each function reads and writes only its fragment's pieces.
   """
-  paths, shapes = plan.paths[p], plan.shapes[p]
-  sizes = [math.prod(s) for s in shapes]
+  pieces = plan.pieces(p)
+  sizes = [b - a for _, _, a, b in pieces]
   replicated = mesh_lib.replicated(mesh)
-  flat = lambda tree: fragments_lib.flatten(tree)
+  shardings = tuple(fragments_lib.flatten(param_shardings)[k] for k, *_ in pieces)
 
   def outer_gradient(base, params):
-    b, t = flat(base), flat(params)
-    return jnp.concatenate([(b[k] - t[k]).astype(jnp.float32).reshape(-1) for k in paths])
+    return jnp.concatenate([(_take(b, shape, lo, hi) - _take(t, shape, lo, hi)).astype(jnp.float32)
+                            for b, t, (_, shape, lo, hi) in zip(base, params, pieces)])
 
-  def pieces(vec):
-    return {k: piece.reshape(shape) for k, piece, shape in zip(paths, jnp.split(vec, np.cumsum(sizes)[:-1]),
-                                                              shapes)}
+  def split(vec):
+    return jnp.split(vec, np.cumsum(sizes)[:-1])
 
-  def mix(state, base, new_global, snapshot_vec, alpha, keep_progress):
+  def mix(params, base, new_global, snapshot_vec, alpha, keep_progress):
     # progress = theta - theta_snapshot, with theta_snapshot = base - snapshot_delta (old base).
-    theta, old_base, snap = flat(state.params), flat(base), pieces(snapshot_vec)
-    mixed = {
-        k: (alpha * theta[k] + (1.0 - alpha) * (v + keep_progress * (theta[k] - old_base[k] + snap[k])))
-        .astype(theta[k].dtype)
-        for k, v in new_global.items()
-    }
-    params = fragments_lib.replace_leaves(state.params, mixed)
-    base = fragments_lib.replace_leaves(base, new_global)
-    return dataclasses.replace(state, params=params), base
+    out_params, out_base = [], []
+    for theta, old_base, (_, shape, lo, hi), v, snap in zip(params, base, pieces, new_global, split(snapshot_vec)):
+      th, ob = _take(theta, shape, lo, hi), _take(old_base, shape, lo, hi)
+      mixed = (alpha * th + (1.0 - alpha) * (v + keep_progress * (th - ob + snap))).astype(th.dtype)
+      out_params.append(_put(theta, shape, lo, hi, mixed))
+      out_base.append(_put(old_base, shape, lo, hi, v.astype(ob.dtype)))
+    return tuple(out_params), tuple(out_base)
 
-  def adopt(state, base, global_vec, snapshot_vec, alpha, keep_progress):
-    return mix(state, base, pieces(global_vec), snapshot_vec, alpha, keep_progress)
+  def adopt(params, base, global_vec, snapshot_vec, alpha, keep_progress):
+    return mix(params, base, split(global_vec), snapshot_vec, alpha, keep_progress)
 
-  def adopt_delta(state, base, delta_vec, snapshot_vec, alpha, keep_progress):
-    b = flat(base)
-    new_global = {k: b[k].astype(jnp.float32) + d for k, d in pieces(delta_vec).items()}
-    return mix(state, base, new_global, snapshot_vec, alpha, keep_progress)
+  def adopt_delta(params, base, delta_vec, snapshot_vec, alpha, keep_progress):
+    new_global = [_take(b, shape, lo, hi).astype(jnp.float32) + d
+                  for b, (_, shape, lo, hi), d in zip(base, pieces, split(delta_vec))]
+    return mix(params, base, new_global, snapshot_vec, alpha, keep_progress)
 
-  grad_fn = jax.jit(outer_gradient, in_shardings=(param_shardings, param_shardings), out_shardings=replicated)
+  grad_fn = jax.jit(outer_gradient, in_shardings=(shardings, shardings), out_shardings=replicated)
   adopt_fns = {
-      kind: jax.jit(fn, in_shardings=(state_shardings, param_shardings, replicated, replicated, None, None),
-                    out_shardings=(state_shardings, param_shardings), donate_argnums=(0, 1))
+      kind: jax.jit(fn, in_shardings=(shardings, shardings, replicated, replicated, None, None),
+                    out_shardings=(shardings, shardings), donate_argnums=(0, 1))
       for kind, fn in (("full", adopt), ("delta", adopt_delta))
   }
   return grad_fn, adopt_fns
@@ -107,26 +130,33 @@ class Learner:
   """A learner unit: a `MeshTrainer` on its device slice and the outer loop around it."""
 
   def __init__(self, config, learner_id: int, devices: Sequence[jax.Device], transport, fingerprint: str,
-               workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True):
+               workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True,
+               checkpoint_dir: str | None = None):
     self.config, self.learner_id = config, learner_id
     outer = config.outer
     num_learners = config.learners.num
     self.trainer = trainer_lib.MeshTrainer(
         config, devices, workdir, batch_size=config_lib.learner_batch(config, learner_id % num_learners),
-        num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints)
+        num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
+        checkpoint_dir=checkpoint_dir)
     self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
                                         outer.fragment_plan)
+    self.max_in_flight = fragments_lib.in_flight_limit(outer.max_in_flight, outer.num_fragments, outer.sync_every,
+                                                       outer.tau)
     mesh, sh = self.trainer.mesh, self.trainer.shardings
-    self._fns = [_fragment_fns(self.plan, p, mesh, sh.params, sh) for p in range(self.plan.num_fragments)]
+    self._fns = [_fragment_fns(self.plan, p, mesh, sh.params) for p in range(self.plan.num_fragments)]
+    keys = fragments_lib.leaf_keys(self.trainer.state.params)
+    self._keys = [tuple(keys[k] for k in self.plan.paths[p]) for p in range(self.plan.num_fragments)]
     self._replicated = mesh_lib.replicated(mesh)
     # The base starts as a device copy of the initial parameters; the syncer starts from the same ones.
     self.base = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sh.params)(self.trainer.state.params)
-    self.comms = Comms(transport, learner_id, fingerprint, codec=outer.codec,
-                       downlink_codec=outer.downlink_codec, block=outer.codec_block,
-                       sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-                       max_in_flight=outer.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
+    # No transport: a process of a multi-host learner other than process 0 (learner/group.py).
+    self.comms = None if transport is None else Comms(
+        transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
+        block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
+        max_in_flight=self.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
     self.base_version = [0] * self.plan.num_fragments
     # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
     self.base_epoch = [0] * self.plan.num_fragments
@@ -170,12 +200,15 @@ class Learner:
       raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from syncer epoch {result.epoch}, "
                          f"but the base is from epoch {self.base_epoch[p]}")
     adopt_fn = adopt_fns[result.kind]
-    vec = jax.device_put(result.global_vec, self._replicated)
+    vec = result.global_vec  # to the devices as the jitted function's replicated argument
     keep = float(self._keep_progress and snapshot is not None)
     if snapshot is None:
       snapshot = self._zeros[p]
-    state, self.base = adopt_fn(self.trainer.state, self.base, vec, snapshot, self._alpha, keep)
-    self.trainer.set_state(state)
+    state, keys = self.trainer.state, self._keys[p]
+    params, base = adopt_fn(fragments_lib.get_leaves(state.params, keys), fragments_lib.get_leaves(self.base, keys),
+                            vec, snapshot, self._alpha, keep)
+    self.base = fragments_lib.set_leaves(self.base, keys, base)
+    self.trainer.set_state(dataclasses.replace(state, params=fragments_lib.set_leaves(state.params, keys, params)))
     self.base_version[p] = result.version
     self.base_epoch[p] = result.epoch
     self.stats.adopted += 1
@@ -202,21 +235,30 @@ class Learner:
     for item in list(self.in_flight):
       if item.fragment == p:  # due again before its last sync came back
         self._wait(item)
-    while len(self.in_flight) >= self.config.outer.max_in_flight:
+    while len(self.in_flight) >= self.max_in_flight:
       self._wait(self.in_flight[0])
     grad_fn, _ = self._fns[p]
-    delta = grad_fn(self.base, self.trainer.state.params)
-    delta.copy_to_host_async()
-    future = self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
-                             base_epoch=self.base_epoch[p])
-    self.in_flight.append(InFlight(p, step, delta, future))
+    keys = self._keys[p]
+    delta = grad_fn(fragments_lib.get_leaves(self.base, keys), fragments_lib.get_leaves(self.trainer.state.params, keys))
+    self.in_flight.append(InFlight(p, step, delta, self._start_sync(p, delta)))
     self.steps_since[p] = self.tokens_since[p] = 0
     self.stats.syncs += 1
     if self._tau == 0:
       self._wait(self.in_flight[-1])
 
+  def _start_sync(self, p: int, delta: jax.Array):
+    """Hands fragment p's outer gradient to the comms worker; returns the future of its merged result."""
+    delta.copy_to_host_async()
+    return self.comms.sync(p, delta, self.base_version[p], self.steps_since[p], self.tokens_since[p],
+                           base_epoch=self.base_epoch[p])
+
+  def stop_predicate(self, should_stop):
+    """The `should_stop` the loop polls between steps (a multi-host learner's is agreed by its processes)."""
+    return should_stop
+
   def after_step(self, tokens: int) -> None:
     """The outer loop's work at a step boundary (after the inner step that just ran)."""
+    cpu0 = time.thread_time()
     step = self.trainer.step
     for p in range(self.plan.num_fragments):
       self.steps_since[p] += 1
@@ -224,6 +266,7 @@ class Learner:
     self._adopt_ready(step)
     for p in fragments_lib.due_fragments(self.plan, step):
       self._snapshot(p, step)
+    self.stats.outer_cpu_s += time.thread_time() - cpu0
 
   def train_step(self) -> None:
     t0 = time.perf_counter()
@@ -237,7 +280,8 @@ class Learner:
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    self.comms.report_step_time(elapsed)
+    if self.comms is not None:
+      self.comms.report_step_time(elapsed, self.trainer.step)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
@@ -250,7 +294,8 @@ class Learner:
       self._wait(self.in_flight[0])
 
   def close(self, leave: bool = True) -> None:
-    self.comms.close(leave=leave)
+    if self.comms is not None:
+      self.comms.close(leave=leave)
     self.trainer.close()
 
 
@@ -266,17 +311,33 @@ def run_learner(learner: Learner, *, on_step=None, should_stop=None) -> dict:
   eval_loss = trainer_lib.run_loop(
       trainer, learner.log, steps=config.train.steps, step_fn=learner.train_step,
       record_fields=lambda: {"learner": learner.learner_id, "blocked_s": learner.stats.blocked_s,
-                             "versions": list(learner.base_version)},
-      on_step=on_step, should_stop=should_stop, checkpoint_meta={"learner": learner.learner_id})
+                             "versions": list(learner.base_version), "comm_bytes": _wire_bytes(learner)},
+      on_step=on_step, should_stop=learner.stop_predicate(should_stop),
+      checkpoint_meta={"learner": learner.learner_id})
   learner.flush()
   trainer.save({"learner": learner.learner_id})
-  wall = time.perf_counter() - t0
+  return learner_summary(learner, time.perf_counter() - t0, eval_loss)
+
+
+def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) -> dict:
+  """What `run_learner` returns: steps, tokens, time, syncs, traffic and the local eval loss."""
+  stats, trainer = learner.stats, learner.trainer
   return {
-      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall,
-      "blocked_s": learner.stats.blocked_s, "compute_s": learner.stats.compute_s,
-      "compute_utilization": learner.stats.compute_s / wall if wall > 0 else 0.0,
-      "syncs": learner.stats.syncs, "adopted": learner.stats.adopted, "late_merges": learner.stats.late_merges,
-      "rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic(),
-      "local_eval_loss": eval_loss, "batch_size": trainer.batch_size, "devices": len(trainer.mesh.devices.flat),
+      "learner": learner.learner_id, "steps": trainer.step, "tokens": trainer.tokens, "wall_s": wall_s,
+      "blocked_s": stats.blocked_s, "compute_s": stats.compute_s,
+      "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
+      "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
+      **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
+      "local_eval_loss": eval_loss, "params": trainer.num_params, "batch_size": trainer.batch_size,
+      "devices": len(trainer.mesh.devices.flat),
       **({"pace": learner.pacer.stats()} if learner.pacer.active else {}),
   }
+
+
+def _wire_bytes(learner: Learner) -> int:
+  """Bytes this learner has moved on the wire so far, both ways (its transport's count; 0 for a process
+  of a multi-host learner that does not talk to the syncer)."""
+  if learner.comms is None:
+    return 0
+  traffic = learner.comms.traffic()
+  return traffic["bytes_sent"] + traffic["bytes_received"]

@@ -16,14 +16,28 @@ is unreachable, so learners may start before the syncer, and survive its restart
 * The config (with its `--config.x=y` overrides) and `--run-id` must be the syncer's: both enter the run
   fingerprint, and a learner with another one is refused at Join.
 * SIGTERM or SIGINT: finish the current step, flush (push every fragment's pending work and adopt the
-  merged results), checkpoint, leave the quorum, write the summary, exit 0. A second signal exits at once
-  (status 1) and keeps the last checkpoint.
+  merged results), checkpoint, leave the quorum, write the summary, exit 0. All of it within
+  `comms.shutdown_grace_s` of the signal: a learner still waiting on the network then (a dead or
+  unreachable syncer, a round that does not close) abandons its syncs in flight, closes its connection,
+  checkpoints its current state and exits 0 (its summary says `"flush_abandoned": true`; the work of
+  the abandoned syncs is not in the global model). A second signal exits at once (status 1) and keeps
+  the last checkpoint.
 * Restarting with the same `--learner-id` and `--workdir` resumes from the learner's checkpoint (every
   `train.checkpoint_every` steps and at the end) and rejoins: the learner pulls every current global
   fragment before its first step.
 
-Output in `--workdir`: `checkpoints/`, `metrics.jsonl`, and `summary.json` (run_learner's summary plus the
-process's wall time, payload byte counts and retries). Progress lines go to stderr.
+Output in `--workdir`: `checkpoints/`, `metrics.jsonl` and TensorBoard event files, `config.json` (the
+resolved config; its fingerprint beside it), and `summary.json` (run_learner's summary plus the process's
+wall time, payload byte counts and retries). Progress lines go to stderr.
+
+A learner spanning several processes (a TPU slice of several hosts) runs this same command on every host,
+with `--distributed` (jax.distributed auto-detected on Cloud TPU) or, locally, `--coordinator HOST:PORT
+--num-processes H --process-id P` (or $DILOCO_COORDINATOR, $DILOCO_NUM_PROCESSES, $DILOCO_PROCESS_ID):
+its mesh covers the devices of all H processes (`learners.devices` in all), process 0 alone talks to the
+syncer and writes metrics and the summary, all of them write the checkpoints (give a `gs://`
+--checkpoint-dir when the hosts share no disk; --workdir, for metrics and the summary, stays a local
+directory). If one of them dies or hangs for
+`learners.peer_timeout_s`, the others exit with status 3 (process 0 leaves the syncer first).
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from typing import Callable
 
 import jax
 from absl import flags
@@ -40,7 +56,9 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
+from diloco_jax import multihost
 from diloco_jax import protocol
+from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
@@ -48,12 +66,13 @@ EXIT_FAILED = 1
 
 
 class StopSignals:
-  """SIGTERM/SIGINT set `stop`; the training loop polls it between steps. A second signal exits at once
-  (the training thread may be blocked on the network, e.g. flushing to a dead syncer)."""
+  """SIGTERM/SIGINT set `stop`; the training loop polls it between steps. `on_first()` runs at the first
+  signal (it arms the shutdown watchdog). A second signal exits at once."""
 
-  def __init__(self):
+  def __init__(self, on_first: Callable[[], None] = lambda: None):
     self.received: list[int] = []
     self._previous = {}
+    self._on_first = on_first
 
   def __enter__(self):
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -67,6 +86,7 @@ class StopSignals:
       print(f"learner: second signal {signum}: exiting without a final checkpoint", file=sys.stderr, flush=True)
       os._exit(EXIT_FAILED)
     print(f"learner: signal {signum}: stopping after this step", file=sys.stderr, flush=True)
+    self._on_first()
 
   def __call__(self) -> bool:
     return bool(self.received)
@@ -74,6 +94,32 @@ class StopSignals:
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+class ShutdownWatchdog:
+  """Once armed (at the first stop signal), calls `abandon()` if the learner has not finished within
+  `grace_s`: the waits on the network that held it then end with an error."""
+
+  def __init__(self, grace_s: float, abandon: Callable[[], None]):
+    self.grace_s, self._abandon = grace_s, abandon
+    self.fired = threading.Event()
+    self._timer: threading.Timer | None = None
+
+  def arm(self) -> None:
+    if self._timer is None:
+      self._timer = threading.Timer(self.grace_s, self._fire)
+      self._timer.daemon = True
+      self._timer.start()
+
+  def _fire(self) -> None:
+    print(f"learner: still waiting on the syncer {self.grace_s:g}s after the stop signal "
+          "(comms.shutdown_grace_s): abandoning the syncs in flight", file=sys.stderr, flush=True)
+    self.fired.set()
+    self._abandon()
+
+  def disarm(self) -> None:
+    if self._timer is not None:
+      self._timer.cancel()
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -93,10 +139,14 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tls-key", None, "PEM private key of --tls-cert", flag_values=fv)
   flags.DEFINE_string("tls-server-name", None, "name expected in the syncer's certificate, if not the "
                       "--syncer host", flag_values=fv)
+  flags.DEFINE_string("checkpoint-dir", None, "where checkpoints go, local or gs:// (default "
+                      "WORKDIR/checkpoints)", flag_values=fv)
+  multihost.define_flags(fv)
 
 
 def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_id: str = "",
-        num_devices: int | None = None, tls: dict | None = None, quiet: bool = False) -> dict:
+        num_devices: int | None = None, tls: dict | None = None, quiet: bool = False,
+        checkpoint_dir: str | None = None) -> dict:
   """Train one learner against the syncer at `target` until `train.steps` or a signal; returns the
   summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
@@ -108,33 +158,78 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
         f"{len(devices)} {devices[0].platform} device(s); for fake CPU devices start it with "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
   fingerprint = config_lib.fingerprint(config, run_id)
-  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {}))
-  metrics_log = metrics_lib.MetricsLog(workdir)
-  learner = loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir,
-                             metrics_log=metrics_log)
+  watch, channel, exit_hooks = _start_group(config, k, devices)
+  leader = jax.process_index() == 0  # process 0 of a multi-host learner, or a one-process learner
+  quiet = quiet or not leader
+  transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})) if leader else None
+  if channel is not None and leader:
+    exit_hooks.append(lambda: transport.leave(learner_id))  # a learner out of the run leaves its quorum
+  metrics_log = None
+  if leader:
+    config_lib.save_resolved(config, workdir, run_id)
+    metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.LEARNER_TAGS)
+  kwargs = dict(metrics_log=metrics_log, checkpoint_dir=checkpoint_dir)
+  learner = (group_lib.GroupLearner(config, learner_id, devices[:k], transport, fingerprint, workdir,
+                                    channel=channel, **kwargs) if channel is not None else
+             loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir, **kwargs))
   start_step = learner.trainer.step
   if not quiet:
-    print(f"learner {learner_id}: {k} {devices[0].platform} device(s), syncer {target}, fingerprint "
+    spans = f" over {jax.process_count()} processes" if channel is not None else ""
+    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {target}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
   bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
                                                 desc=f"learner {learner_id}")
   summary = None
+
+  def abandon():
+    if learner.comms is not None:
+      learner.comms.abandon()
+    if transport is not None:
+      transport.close()  # ends calls in flight and retry waits at once
+
+  watchdog = ShutdownWatchdog(float(config.comms.shutdown_grace_s), abandon)
+  abandoned = False
   try:
-    with StopSignals() as stop:
-      summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
-                                     should_stop=stop)
-    stopped = bool(stop.received)
+    with StopSignals(on_first=watchdog.arm) as stop:
+      try:
+        summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
+                                       should_stop=stop)
+      except Exception:
+        if not watchdog.fired.is_set():
+          raise
+        # The grace ran out while the learner waited on the network: keep what it has.
+        abandoned = True
+        learner.trainer.save({"learner": learner_id})
+        summary = loop_lib.learner_summary(learner, time.perf_counter() - t0, None)
+      finally:
+        watchdog.disarm()
+    stopped = bool(stop.received) or getattr(learner, "stop_agreed", False)
+  except Exception:
+    if watch is not None:
+      watch.wait_for_verdict()  # a collective that failed with a dead peer: exit as the watch decides
+    raise
   finally:
     if bar is not None:
       bar.close()
     # Leave only after a clean finish: a crashed learner keeps its membership until its lease lapses.
-    learner.close(leave=summary is not None)
-    transport.close()
-    metrics_log.close()
+    learner.close(leave=summary is not None and not abandoned)
+    if watch is not None:
+      watch.stop(done=summary is not None)
+    if transport is not None:
+      transport.close()
+    if metrics_log is not None:
+      metrics_log.close()
+  if not leader:
+    print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
+          file=sys.stderr, flush=True)
+    return summary
+  if channel is not None:
+    summary.update(learner.group_stats())
   summary.update({
       "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
-      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps,
+      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps and not abandoned,
+      "flush_abandoned": abandoned,
       "retries": transport.retries, "fingerprint": fingerprint, "devices": k,
   })
   metrics_lib.write_summary(workdir, summary)
@@ -144,6 +239,21 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
           f"{(summary['bytes_sent'] + summary['bytes_received']) / 2**20:.2f} MiB on the wire; "
           f"summary in {workdir}/summary.json", file=sys.stderr, flush=True)
   return summary
+
+
+def _start_group(config, k: int, devices) -> tuple:
+  """For a learner spanning several processes: checks its devices and starts the watch between its
+  processes and the channel from process 0. Returns (watch, channel, exit_hooks), all None/[] on one
+  process; `exit_hooks` run when the watch finds a process lost, before this one exits."""
+  if jax.process_count() == 1:
+    return None, None, []
+  if len(devices) != k:
+    raise cli.UsageError(f"a learner spanning {jax.process_count()} processes trains on all their devices, "
+                         f"{len(devices)} here, but config.learners.devices (or --devices) is {k}")
+  exit_hooks = []
+  watch = multihost.PeerWatch(jax.process_index(), jax.process_count(), timeout_s=config.learners.peer_timeout_s,
+                              on_lost=lambda message: multihost.exit_peer_lost(message, exit_hooks)).start()
+  return watch, multihost.HostChannel(jax.process_index(), jax.process_count(), watch=watch), exit_hooks
 
 
 def main(argv) -> int:
@@ -166,6 +276,12 @@ def main(argv) -> int:
     else:
       config.learners.devices = fv.devices
   k = config_lib.learner_devices(config, learner_id)
+  try:
+    spec = multihost.spec_from_flags(fv)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
+  if spec.enabled:  # before anything starts a jax backend (the plan check below does)
+    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
   # Validate as one learner of the run: the device total is checked in `run`, per process.
   cli.validated(config, sum(config_lib.learner_devices(config, i) for i in range(config.learners.num)),
                 learners=True)
@@ -177,7 +293,7 @@ def main(argv) -> int:
          "tls_server_name": fv["tls-server-name"].value}
   try:
     run(config, target=fv.syncer, learner_id=learner_id, workdir=fv.workdir, token=token,
-        run_id=fv["run-id"].value, num_devices=k, tls=tls)
+        run_id=fv["run-id"].value, num_devices=k, tls=tls, checkpoint_dir=fv["checkpoint-dir"].value)
   except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)
     return EXIT_FAILED

@@ -15,7 +15,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "data_port")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,8 +24,10 @@ class JoinResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.ScalarMap[int, int]
-    def __init__(self, versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint")
@@ -40,7 +42,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size")
+    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size", "incarnation", "sequence")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,8 @@ class PushHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     fragment: int
@@ -59,7 +63,9 @@ class PushHeader(_message.Message):
     codec: str
     checksum: int
     total_size: int
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    sequence: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset")
@@ -134,14 +140,16 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "step_time_s")
+    __slots__ = ("learner_id", "fingerprint", "step_time_s", "step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     step_time_s: float
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    step: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()

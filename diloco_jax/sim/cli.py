@@ -1,8 +1,10 @@
-"""`python -m diloco_jax sim <name> [flags]`: the scale simulator and the bandwidth planner.
+"""`python -m diloco_jax sim <name> [flags]`: the scale simulator, the bandwidth planner and the sizing of
+a run's machines.
 
   goodput    goodput and uptime of data-parallel, elastic data-parallel and Decoupled DiLoCo under
              failures and mixed hardware; the paper's table and its three quorum settings
   bandwidth  the WAN bandwidth each method needs for a target compute utilization
+  sizing     a config's syncer memory and disk, bytes per learner and outer period (`sim/sizing.py`)
 
 Examples:
   python -m diloco_jax sim goodput --table
@@ -10,6 +12,7 @@ Examples:
   python -m diloco_jax sim goodput --quorum-settings all,k1,k1grace --groups 0.847:4,1:4 --step-cv 0.1 \
       --mtbi-years 1e9
   python -m diloco_jax sim bandwidth --params 70e9 --step-s 2 --sites 4
+  python -m diloco_jax sim sizing --config configs/b1.py --learners 8 --step-s 0.33
 
 `python -m diloco_jax sim <name> --help` lists its flags. Progress goes to stderr; tables (or JSON with
 --json) to stdout; PNG plots to --out (default runs/sim).
@@ -24,7 +27,8 @@ from absl import flags
 
 from diloco_jax import cli, subcommands
 
-SIMULATORS = {"goodput": "diloco_jax.sim.goodput_cli", "bandwidth": "diloco_jax.sim.bandwidth_cli"}
+SIMULATORS = {"goodput": "diloco_jax.sim.goodput_cli", "bandwidth": "diloco_jax.sim.bandwidth_cli",
+              "sizing": "diloco_jax.sim.sizing"}
 
 
 def progress(message: str) -> None:

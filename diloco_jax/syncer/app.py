@@ -8,9 +8,10 @@ initial parameters), resumes from the latest checkpoint in `--workdir`, serves i
 with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time (`syncer/ticker.py`), and
 checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown (SIGTERM/SIGINT: calls in
 flight get `syncer.shutdown_grace_s`, then a final checkpoint is written and waited for). The bound port is
-written to `WORKDIR/syncer.port` (for launchers that bind port 0); the decision of every closed round
-(contributors, who the grace window waited for and how long, merge coefficients) is appended to
-`WORKDIR/rounds.jsonl`.
+written to `WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to
+`WORKDIR/config.json` (fingerprint beside it), the syncer's metrics over time (`syncer/monitor.py`) to
+`WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`, and the decision of every closed round
+(contributors, who the grace window waited for and how long, merge coefficients) to `WORKDIR/rounds.jsonl`.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import protocol
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
-from diloco_jax.syncer.service import Limits, serve
+from diloco_jax.syncer.monitor import SyncerMonitor
+from diloco_jax.syncer.service import Limits, serve, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tls-client-ca", None, "PEM CA: require client certificates it signed (mutual TLS)",
                       flag_values=fv)
   flags.DEFINE_bool("allow-remote", False, "permit binding a non-loopback address", flag_values=fv)
-  flags.DEFINE_integer("max-workers", 32, "RPC worker threads", flag_values=fv)
+  flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
+                       flag_values=fv)
   flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
 
 
@@ -105,7 +109,7 @@ def main(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  config = cli.validated(fv.config, None, learners=True)
+  config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
   tls = _tls_from_flags(fv)
   try:
     token = protocol.read_token(fv["token-file"].value)
@@ -115,6 +119,7 @@ def main(argv) -> int:
 
   workdir = pathlib.Path(fv.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.save_resolved(config, workdir, fv["run-id"].value)
   s = config.syncer
   core, fingerprint = build_core(config, fv["run-id"].value)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
@@ -136,10 +141,13 @@ def main(argv) -> int:
 
   ticker = Ticker(core)
   handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
-                 fingerprint=fingerprint, max_workers=fv["max-workers"].value,
+                 data_plane=bool(config.syncer.data_plane),
+                 fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
   rounds_log = metrics_lib.DrainLog(core.drain_decisions, workdir, "rounds")
+  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
+  monitor = SyncerMonitor(core, metrics_log)
   host = fv.bind.rsplit(":", 1)[0]
   (workdir / "syncer.port").write_text(f"{handle.port}\n")
   print(f"syncer: serving {host}:{handle.port} fingerprint {fingerprint} "
@@ -150,6 +158,8 @@ def main(argv) -> int:
   handle.stop(grace=float(s.shutdown_grace_s))
   ticker.stop()
   rounds_log.close()
+  monitor.stop()
+  metrics_log.close()
   step = periodic.stop()
   ckpt.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import model
@@ -33,7 +32,17 @@ def build_core(config, run_id: str = "") -> tuple[SyncerCore, str]:
 
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
   """The syncer's global model as a nested dict of host arrays shaped like `template`."""
-  leaves = {}
-  for p, vec in enumerate(core.global_fragments()):
-    leaves.update(fragments.scatter(plan, p, vec))
-  return fragments.replace_leaves(template, leaves)
+  return fragments.assemble(plan, core.global_fragments(), template)
+
+
+def global_params_from_state(config, state: dict, run_id: str, template: Any) -> Any:
+  """The global model held in a syncer state dict (`SyncerCore.state_dict()`, as a syncer checkpoint
+  restores it) of the run `config` + `run_id`, shaped like `template` (abstract shapes suffice: no core and
+  no initial parameters are built, so exporting a big model costs only its fragments in host memory).
+
+  Raises ValueError when the state belongs to another run (its fingerprint differs)."""
+  fingerprint = config_lib.fingerprint(config, run_id)
+  if state["fingerprint"] != fingerprint:
+    raise ValueError(f"the syncer checkpoint is of another run (fingerprint {state['fingerprint']!r}, this config "
+                     f"and run id {run_id!r} give {fingerprint!r}): pass the run's config overrides and run id")
+  return fragments.assemble(fragment_plan(config, template), state["fragments"], template)

@@ -10,6 +10,8 @@ Membership. A learner joins with the run's fingerprint (another fingerprint is r
 of `lease_s` seconds, renewed by every join and heartbeat. A learner whose lease ran out, or that left, is
 not live: it does not count toward the quorum's denominator, and its pushes are refused ("not_member")
 until it heartbeats (expired lease) or joins again (left). Its pushes already received still merge.
+Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
+and read the status without joining, and a join with one is refused, so an observer is never a member.
 
 Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
@@ -20,19 +22,24 @@ heartbeats (the median of its recent steps; a learner that never reported gets t
 learners' reports), and t_sync a running average (EMA) of this fragment's merge + outer step + encode
 time, measured on the same clock. It closes early as soon as every live learner has contributed. Once the
 quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
-`c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight, staleness
-s_j the rounds closed since the push's base version, W the raw weight of one period of every learner the
-round answers for: with `scale_partial_rounds` every live learner and every contributor, each counted
-once with the weight of its latest push of this fragment, else only the contributors), merge
-`sum_j c_j v_j` (`outer.merge`, optionally RDA), the Nesterov outer step with the round's share of a full
-round (`outer.make_outer_optimizer`: the momentum moves once per full share), the new global fragment
-published for the downlink (below; one version, or one per distinct base version of the round's pushes),
-and waiting pulls are woken. So a round holding part of the live learners' work moves the model by that
-share of a full round (k/n for equal learners; by tokens when their batches differ), a learner that pushed
-two periods into one round has both summed, and a lone stale push keeps its discount. A contribution that
-arrives after its round's deadline goes into the next round (never lost); one based on an older version
-("late") is merged with its staleness discount. The receipt of a push names the version that will merge
-it (`PushReceipt.version`): the learner waits for that one, not for any newer version than its base.
+`c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight of its capped
+claims, below; staleness s_j the rounds closed since the push's base version; W the raw weight of one
+period of every learner the round answers for: with `scale_partial_rounds` every live learner and every
+contributor, each counted once with the weight of its latest push of this fragment, else only the
+contributors), the merged outer gradient `sum_j c_j v_j` (optionally RDA), and the Nesterov outer step
+with the round's share of a full round (`outer.make_outer_optimizer`: the momentum moves once per full
+share, delayed Nesterov); the new global fragment is published for the downlink (below; one version, or
+one per distinct base version of the round's pushes), and waiting pulls are woken. So a round holding
+part of the live learners' work moves the model by that share of a full round (k/n for equal learners;
+by tokens when their batches differ), a learner that pushed two periods into one round has both summed,
+and a lone stale push keeps its discount. Contributions are held as they arrived (their payloads, checked
+at push time: checksum, finiteness and norm, none of which decodes a quantized payload), and the close
+decodes, weighs, sums and steps them in one chunked pass over the fragment (`outer.apply_round`, on
+`merge_threads` threads), updating the global, its momentum and the pending sum of partial rounds in
+place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
+based on an older version ("late") is merged with its staleness discount. The receipt of a push names the
+version that will merge it (`PushReceipt.version`): the learner waits for that one, not for any newer
+version than its base.
 
 Decisions. Closing a round builds a record of what was decided (`decision_record`: who contributed, with
 which base, staleness, tokens and coefficient; who the grace window waited for and who arrived in it; the
@@ -43,9 +50,39 @@ them (`rounds.jsonl`: `syncer/app.py`, `inprocess.py`).
 Downlink: `syncer/downlink.py` (reference-tracking deltas from the version the round's contributors
 hold, epochs). The core draws a new epoch when it is created and on every `load_state_dict`.
 
+Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
+Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
+`STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
+
 Rejections. `push` validates everything before touching state; on any problem it raises `Rejected` with
 one of `REASONS`, increments `counters["rejected"][reason]` and `counters["contributions_rejected"]`, and
 changes nothing else.
+
+Merge safety (nothing a single push claims or sends can dominate a merge or poison the global):
+* Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
+  whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
+  per-learner batch tokens of one inner step): "overclaim". The merge weight then counts at most one
+  schedule period: tokens and steps enter `outer.raw_weights` capped at `sync_every` steps (and their
+  tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
+  more than an honest learner's full period.
+* Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
+  norm is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
+  that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
+  accepted (a new run, a restart), the global fragment's own norm (an outer gradient is one period's
+  change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
+  median in a tiny_cpu run is about 3 (the first full period after the lr warm-up's short ones).
+* Finiteness. A round whose merged update, new global fragment or outer-optimizer state would hold a
+  non-finite value is refused whole: nothing changes (version, global, momentum, pending sum: the in-place step writes
+  only a result that the norms of its inputs prove finite, or that a read-only pass found finite, see
+  `outer.apply_round`), its contributions are dropped (`counters["rounds_refused"]`,
+  `counters["contributions_dropped"]`, an error log line), and pulls waiting for the next version get the
+  current one at once (as after a rejected push), so no learner waits on a version that its dropped push
+  was to make.
+* Idempotency. A push with a key (`Push.incarnation` != 0) that this core already accepted gets its
+  original receipt and is not merged again (`counters["pushes_duplicate"]`); the same key on another
+  payload is refused ("key_conflict"). The last `KEYS_PER_LEARNER` keys of each learner are kept; the
+  keys of settled contributions (their round closed) go into checkpoints, so a retry that reaches a
+  restarted syncer is merged again only if the checkpoint does not hold its effect.
 """
 
 from __future__ import annotations
@@ -53,6 +90,8 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import logging
+import math
 import statistics
 import threading
 import time
@@ -60,13 +99,24 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
+from diloco_jax import config as config_lib
 from diloco_jax import outer
-from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected
+from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
+log = logging.getLogger(__name__)
+
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
+NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
+NORM_WARMUP = 4  # accepted norms needed before the median is the reference
+NORM_FLOOR = 1e-3  # the median reference never falls below this times the global fragment's norm
+WARMUP_RMS = 0.1  # before NORM_WARMUP accepted norms, the reference is at least this RMS per element
+KEYS_PER_LEARNER = 16  # idempotency keys remembered per learner
+STATUS_MEMBERS = 64  # members shown in detail by `status` (all are counted)
+STATUS_IDS = 1024  # ids listed by `status` (live learners, round contributors); all are counted
 _MAX_DECISIONS = 10_000  # decision records kept for `drain_decisions` (the oldest are dropped beyond)
 _VERSIONS_REMEMBERED = 4096  # per fragment, the round each recent version was published in (staleness)
 
@@ -89,6 +139,13 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
+  num_learners: int = 1  # learner ids lie in [0, num_learners)
+  # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
+  tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
+  sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
+  max_push_steps: int = 0  # train.steps: no push may claim more
+  max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
   downlink_history: int = 1  # references kept per fragment (`syncer/downlink.py`); 1 = only the latest
 
   def __post_init__(self):
@@ -108,6 +165,17 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if self.merge_threads < 1:
+      raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
+                       f"{self.merge_threads}")
+    if self.num_learners < 1:
+      raise ValueError(f"learners.num must be >= 1, got {self.num_learners}")
+    for field, value in (("tokens_per_step", self.tokens_per_step), ("sync_every", self.sync_every),
+                         ("max_push_steps", self.max_push_steps)):
+      if value < 0:
+        raise ValueError(f"{field} must be >= 0 (0: no bound), got {value}")
+    if not self.max_norm_ratio >= 0:
+      raise ValueError(f"outer.max_norm_ratio must be >= 0 (0: off), got {self.max_norm_ratio}")
     if self.downlink_history < 1:
       raise ValueError(f"outer.downlink_history must be >= 1, got {self.downlink_history}")
 
@@ -131,6 +199,14 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
+        num_learners=int(config.learners.num),
+        # The largest learner's batch: learners with more devices take more tokens per step.
+        tokens_per_step=int(max(config_lib.learner_batch(config, i) for i in range(config.learners.num))
+                            * config.data.seq_len),
+        sync_every=int(o.sync_every),
+        max_push_steps=int(config.train.steps),
+        max_norm_ratio=float(o.max_norm_ratio),
         downlink_history=int(o.downlink_history or 2 * config.learners.num),
     )
 
@@ -141,7 +217,13 @@ class _Member:
   step_time_s: float = 0.0
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
-  # Per fragment, the merge rule's raw weight of its latest push: one period of its work.
+  step: int | None = None  # the learner's inner step, as its last heartbeat reported it
+  step_at: float | None = None  # clock time of that heartbeat
+  last_push: float | None = None  # clock time of its last accepted push
+  # Inner steps of its contributions merged since this syncer started, summed over fragments (each
+  # fragment's contributions count the same steps: `status` divides by P).
+  steps_merged: int = 0
+  # Per fragment, the merge rule's raw weight of its latest push (capped claims): one period of its work.
   period_weights: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def live(self, now: float) -> bool:
@@ -152,10 +234,24 @@ class _Member:
 class _Contribution:
   learner_id: int
   base_version: int
-  steps: int
+  steps: int  # as claimed (within the bounds)
   tokens: int
-  delta: np.ndarray
+  # The outer gradient as it arrived (checked, not decoded: a round decodes its contributions chunk by
+  # chunk when it closes, see `outer.apply_round`), and its L2 norm (taken at push time from the payload,
+  # `codec.norm`: the outlier check, RDA and the round's finiteness bound use it).
+  encoded: codec_lib.Encoded
+  norm: float
   arrived: float
+  weight_steps: int  # what the merge weight counts: capped at one schedule period
+  weight_tokens: int
+  key: tuple[int, int] | None = None  # (incarnation, sequence)
+
+
+@dataclasses.dataclass
+class _KeyRecord:
+  checksum: int
+  receipt: PushReceipt
+  settled: bool = False  # its round closed (merged or refused): checkpoints keep the key
 
 
 @dataclasses.dataclass
@@ -163,8 +259,8 @@ class _Round:
   opened: float
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
-  # Set at the quorum, for the decision record: when, the grace window and its inputs, who it waits for.
-  quorum_at: float | None = None
+  quorum_at: float | None = None  # when the quorum was reached (the grace window runs from here)
+  # Set at the quorum, for the decision record: the grace window and its inputs, who it waits for.
   grace_s: float = 0.0
   step_times_s: tuple[float, ...] = ()  # of the contributors in at the quorum, in order of arrival
   t_sync_s: float = 0.0
@@ -190,6 +286,11 @@ def _new_counters() -> dict[str, Any]:
       "joins": 0,
       "leaves": 0,
       "leases_expired": 0,
+      "members_pruned": 0,
+      "pushes_duplicate": 0,
+      "rounds_refused": 0,  # rounds that would have published a non-finite value
+      "contributions_dropped": 0,  # the contributions of those rounds
+      "tick_errors": 0,  # exceptions the ticker survived
   }
 
 
@@ -212,14 +313,14 @@ def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why
   quorum_at = rnd.quorum_at if rnd.quorum_at is not None else rnd.opened
   return {
       "fragment": fragment, "version": version, "close": why,
-      "contributors": list(first), "live": list(live),
+      "contributors": list(first)[:STATUS_IDS], "live": list(live)[:STATUS_IDS],
       "contributions": [
           {"learner": c.learner_id, "base_version": c.base_version, "staleness": int(s), "steps": c.steps,
            "tokens": c.tokens, "arrived_s": c.arrived - rnd.opened, "coefficient": float(w)}
           for c, s, w in zip(rnd.contributions, staleness, coefficients)],
       "quorum_s": quorum_at - rnd.opened, "grace_s": rnd.grace_s, "step_times_s": list(rnd.step_times_s),
-      "t_sync_s": rnd.t_sync_s, "waited_for": list(rnd.waited_for),
-      "arrived_in_grace": [i for i in rnd.waited_for if i in first],
+      "t_sync_s": rnd.t_sync_s, "waited_for": list(rnd.waited_for)[:STATUS_IDS],
+      "arrived_in_grace": [i for i in rnd.waited_for if i in first][:STATUS_IDS],
       "open_s": closed - rnd.opened, "merge_s": t_sync_s,
       "period_weight": float(period_weight), "answered_for": answered, "share": share,
       "moved": float(np.sum(coefficients)),
@@ -242,14 +343,21 @@ class SyncerCore:
     self.clock = clock
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._tx = outer.make_outer_optimizer(settings.outer_lr, settings.outer_momentum)
     self._globals: list[np.ndarray] = []
     for p, frag in enumerate(initial_fragments):
       frag = np.array(frag, np.float32).reshape(-1)
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
-    self._opt_states = [outer.init_outer_state(self._tx, g) for g in self._globals]
+    # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
+    self._momenta = [np.zeros_like(g) for g in self._globals]
+    # Delayed Nesterov (`outer.apply_round`): the merged gradients of partial rounds since the momentum last
+    # moved (allocated by the first partial round; None or all zeros when `_pending_dirty` is False), their
+    # share of a full round, and their L2 norm.
+    self._pending: list[np.ndarray | None] = [None] * settings.num_fragments
+    self._pending_dirty = [False] * settings.num_fragments
+    self._pending_shares = [0.0] * settings.num_fragments
+    self._pending_norms = [0.0] * settings.num_fragments
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     # Rounds closed when each recent version was published (a round may publish several versions, see
@@ -258,9 +366,20 @@ class SyncerCore:
     self._open: list[_Round | None] = [None] * settings.num_fragments
     self._t_sync = [0.0] * settings.num_fragments
     self._members: dict[int, _Member] = {}
+    self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(settings.num_fragments)]
+    # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
+    # lets a round prove its result finite before writing in place (`outer.apply_round`).
+    self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
+    self._momentum_norms = [0.0] * settings.num_fragments
+    self._refused_at = [-1] * settings.num_fragments  # the version a refused round left in place
+    self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
     self.counters = _new_counters()
+    # Since this core started (not checkpointed; `status` reports them): rounds closed, their distinct
+    # contributors and their grace waits (quorum to close), summed.
+    self._started = clock()
+    self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
     self._downlink = Downlink(settings.sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch(), history=settings.downlink_history)
+                              epoch=new_epoch(), threads=settings.merge_threads, history=settings.downlink_history)
     self._decisions: collections.deque[dict] = collections.deque(maxlen=_MAX_DECISIONS)
     self.decisions_dropped = 0
 
@@ -274,18 +393,52 @@ class SyncerCore:
     s = self.settings
     return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
 
+  def count(self, name: str, n: int = 1) -> None:
+    """Add to one of `counters` (e.g. "tick_errors", counted by the ticker)."""
+    with self._lock:
+      self.counters[name] = self.counters.get(name, 0) + n
+
+  # ---- identity ----
+
+  def _refuse(self, reason: str, message: str) -> Rejected:
+    # Called with the lock held: counts the refusal by reason.
+    self.counters["rejected"][reason] += 1
+    return Rejected(reason, message)
+
+  def _id_problem(self, learner_id) -> str | None:
+    """Why `learner_id` is not one of this run's learners, or None if it is."""
+    if isinstance(learner_id, int) and 0 <= learner_id < self.settings.num_learners:
+      return None
+    return (f"learner id {shorten(learner_id)} is not one of this run's learners "
+            f"[0, learners.num={self.settings.num_learners})")
+
+  def _check_id_locked(self, learner_id) -> None:
+    problem = self._id_problem(learner_id)
+    if problem:
+      raise self._refuse("learner_id", problem)
+
+  def check_learner_id(self, learner_id: int) -> None:
+    """Raise Rejected("learner_id") unless 0 <= learner_id < learners.num."""
+    with self._lock:
+      self._check_id_locked(learner_id)
+
   # ---- membership ----
 
   def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
     """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
     with self._lock:
+      self._check_id_locked(learner_id)
       if fingerprint != self.settings.fingerprint:
-        raise Rejected("fingerprint", f"learner {learner_id} has run fingerprint {fingerprint!r}, this "
-                       f"syncer serves {self.settings.fingerprint!r} (different run or config)")
+        raise self._refuse("fingerprint", f"learner {learner_id} has run fingerprint {shorten(fingerprint)}, "
+                           f"this syncer serves {self.settings.fingerprint!r} (different run or config)")
       now = self.clock()
       old = self._members.get(learner_id)
       self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
                                           step_time_s=old.step_time_s if old else 0.0,
+                                          step=old.step if old else None,
+                                          step_at=old.step_at if old else None,
+                                          last_push=old.last_push if old else None,
+                                          steps_merged=old.steps_merged if old else 0,
                                           period_weights=old.period_weights if old else {})
       self.counters["joins"] += 1
       return dict(enumerate(self._versions))
@@ -293,24 +446,30 @@ class SyncerCore:
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is not None and not member.left:
         member.left = True
         self.counters["leaves"] += 1
       self._tick_locked()
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate;
+    `step` (its inner step, if it says) is shown by `status`."""
     with self._lock:
+      self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
       if member is None:
-        raise Rejected("unknown_learner", f"learner {learner_id} never joined this syncer")
+        raise Rejected("unknown_learner", f"learner {learner_id} is not a member of this syncer (never "
+                       "joined, or pruned after its lease lapsed): join again")
       if member.left:
         raise Rejected("not_member", f"learner {learner_id} left; join again")
       member.lease_until = self.clock() + self.settings.lease_s
       member.expiry_counted = False
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
+      if step is not None:
+        member.step, member.step_at = int(step), self.clock()
       self._tick_locked()
 
   def live_learners(self) -> list[int]:
@@ -324,24 +483,44 @@ class SyncerCore:
 
   def _reject(self, reason: str, message: str) -> Rejected:
     # Called with the lock held; the counters are the only state a rejection changes.
-    self.counters["rejected"][reason] += 1
     self.counters["contributions_rejected"] += 1
-    return Rejected(reason, message)
+    return self._refuse(reason, message)
+
+  def _check_sender_locked(self, push: Push) -> None:
+    """Who sent it: a learner of this run (checked before anything else, duplicates included)."""
+    problem = self._id_problem(push.learner_id)
+    if problem:
+      raise self._reject("learner_id", problem)
+    if push.fingerprint != self.settings.fingerprint:
+      raise self._reject("fingerprint", f"push fingerprint {shorten(push.fingerprint)} != run "
+                         f"{self.settings.fingerprint!r}")
+
+  def _seen_locked(self, push: Push) -> PushReceipt | None:
+    """The original receipt if this push's idempotency key was accepted before, else None."""
+    if not push.incarnation:
+      return None
+    record = self._keys.get(push.learner_id, {}).get((push.incarnation, push.sequence))
+    if record is None:
+      return None
+    if record.checksum != push.checksum:
+      raise self._reject("key_conflict", f"learner {push.learner_id} reused push key "
+                         f"({push.incarnation}, {push.sequence}) for a different payload")
+    self.counters["pushes_duplicate"] += 1
+    return record.receipt
 
   def _validate_locked(self, push: Push) -> None:
     s = self.settings
     member = self._members.get(push.learner_id)
     if member is None:
-      raise self._reject("unknown_learner", f"learner {push.learner_id} never joined this syncer")
-    if push.fingerprint != s.fingerprint:
-      raise self._reject("fingerprint", f"push fingerprint {push.fingerprint!r} != run {s.fingerprint!r}")
+      raise self._reject("unknown_learner", f"learner {push.learner_id} is not a member of this syncer "
+                         "(never joined, or pruned after its lease lapsed)")
     if not member.live(self.clock()):
       why = "left" if member.left else "lease expired (heartbeat to renew)"
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
     if not 0 <= push.fragment < s.num_fragments:
       raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
     if push.codec != s.codec:
-      raise self._reject("codec", f"push codec {push.codec!r}, this run uses {s.codec!r}")
+      raise self._reject("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
     want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
     if len(push.payload) != want:
       raise self._reject("shape", f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a "
@@ -352,39 +531,92 @@ class SyncerCore:
     if push.base_version > self._versions[push.fragment]:
       raise self._reject("future_version", f"base_version {push.base_version} is ahead of fragment "
                          f"{push.fragment}'s version {self._versions[push.fragment]}")
+    if s.max_push_steps and push.steps > s.max_push_steps:
+      raise self._reject("overclaim", f"{push.steps} steps claimed; no learner of this run takes more than "
+                         f"train.steps={s.max_push_steps}")
+    if s.tokens_per_step and push.tokens > push.steps * s.tokens_per_step:
+      raise self._reject("overclaim", f"{push.tokens} tokens claimed over {push.steps} steps; a learner "
+                         f"takes at most {s.tokens_per_step} tokens per step")
+
+  def _weight_inputs(self, push: Push) -> tuple[int, int]:
+    """(steps, tokens) as the merge weight counts them: at most one schedule period's."""
+    s = self.settings
+    steps, tokens = push.steps, push.tokens
+    if s.sync_every:
+      steps = min(steps, s.sync_every)
+      if s.tokens_per_step:
+        tokens = min(tokens, s.sync_every * s.tokens_per_step)
+    return steps, tokens
+
+  def _norm_reference_locked(self, p: int) -> tuple[float, str]:
+    """The norm fragment p's outer gradients are compared with, and what it is."""
+    history = self._norms[p]
+    if len(history) >= NORM_WARMUP:
+      return (max(float(np.median(history)), NORM_FLOOR * self._global_norms[p]),
+              f"the median of its last {len(history)} accepted norms")
+    # A fragment that is all zeros still gets a usable scale: an RMS of WARMUP_RMS per element.
+    return (max(self._global_norms[p], WARMUP_RMS * math.sqrt(self.settings.sizes[p])),
+            "the global fragment's own norm (too few accepted pushes yet)")
 
   def push(self, push: Push) -> PushReceipt:
     """Accept one contribution into its fragment's open round (or raise Rejected), then tick."""
     s = self.settings
     with self._lock:
+      self._check_sender_locked(push)
+      receipt = self._seen_locked(push)
+      if receipt is not None:
+        return receipt
       self._validate_locked(push)
-    # Checksum and decode outside the lock: they are the expensive part and need no state.
+    # Checksum, finiteness and norm outside the lock: they are the expensive part and need no state. The
+    # payload is not decoded (the round's close does that, chunk by chunk): finiteness from its scales,
+    # the norm from its codes and scales (`codec.finite`, `codec.norm`).
     problem = None
     if codec_lib.checksum(push.payload) != push.checksum:
       problem = ("checksum", f"payload CRC-32 {codec_lib.checksum(push.payload):#010x} != declared "
                  f"{push.checksum:#010x}")
     else:
-      delta = codec_lib.decode(push.payload, s.codec, s.sizes[push.fragment], s.block)
-      if not np.isfinite(delta).all():
+      encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
+      if not codec_lib.finite(encoded, threads=s.merge_threads):
         problem = ("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds NaN or Inf")
+      else:
+        norm = codec_lib.norm(encoded, threads=s.merge_threads)
     with self._lock:
       if problem is not None:
         raise self._reject(*problem)
+      receipt = self._seen_locked(push)  # the same key may have been accepted meanwhile (a retry)
+      if receipt is not None:
+        return receipt
+      p = push.fragment
+      if s.max_norm_ratio > 0:
+        reference, what = self._norm_reference_locked(p)
+        if not norm <= s.max_norm_ratio * reference:
+          raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} exceeds "
+                             f"outer.max_norm_ratio={s.max_norm_ratio:g} x {reference:.4g}, {what}")
       # Close whatever is due first: a push after a round's deadline belongs to the next round.
       self._tick_locked()
       now = self.clock()
-      p = push.fragment
       late = self._staleness_locked(p, push.base_version) > 0
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
+      key = (push.incarnation, push.sequence) if push.incarnation else None
+      weight_steps, weight_tokens = self._weight_inputs(push)
       self._open[p].contributions.append(_Contribution(push.learner_id, push.base_version, push.steps,
-                                                       push.tokens, delta, now))
-      self._members[push.learner_id].period_weights[p] = float(
-          outer.raw_weights([push.tokens], [push.steps], s.merge_rule)[0])
+                                                       push.tokens, encoded, norm, now, weight_steps,
+                                                       weight_tokens, key))
+      if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
+        self._norms[p].append(norm)
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
+      member = self._members[push.learner_id]
+      member.last_push = now
+      member.period_weights[p] = float(outer.raw_weights([weight_tokens], [weight_steps], s.merge_rule)[0])
       # The open round publishes the next version: that one merges this push.
       receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, version=self._versions[p] + 1)
+      if key is not None:
+        keys = self._keys.setdefault(push.learner_id, collections.OrderedDict())
+        keys[key] = _KeyRecord(push.checksum, receipt)
+        while len(keys) > KEYS_PER_LEARNER:
+          keys.popitem(last=False)
       self._tick_locked()
       return receipt
 
@@ -402,14 +634,22 @@ class SyncerCore:
     member = self._members.get(learner_id)
     return member.step_time_s if member is not None and member.step_time_s > 0 else fallback
 
+  def _prune_locked(self, now: float) -> None:
+    """Forget members whose lease lapsed (or that left) more than a lease ago: they join again."""
+    stale = [i for i, m in self._members.items() if not m.live(now) and now > m.lease_until + self.settings.lease_s]
+    for i in stale:
+      del self._members[i]
+    self.counters["members_pruned"] += len(stale)
+
   def _tick_locked(self) -> list[int]:
     now = self.clock()
     for m in self._members.values():
       if not m.left and not m.live(now) and not m.expiry_counted:
         m.expiry_counted = True
         self.counters["leases_expired"] += 1
+    self._prune_locked(now)
     live = set(self._live(now))
-    committed = []
+    committed, refused = [], False
     for p, rnd in enumerate(self._open):
       if rnd is None:
         continue
@@ -421,9 +661,11 @@ class SyncerCore:
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or live <= set(contributors):
-        self._close_locked(p, "all_in" if live <= set(contributors) else "deadline")
-        committed.append(p)
-    if committed:
+        if self._close_locked(p, "all_in" if live <= set(contributors) else "deadline"):
+          committed.append(p)
+        else:
+          refused = True
+    if committed or refused:
       self._cond.notify_all()
     return committed
 
@@ -455,7 +697,7 @@ class SyncerCore:
     of this fragment's; a learner that never pushed it counts as the mean of the others)."""
     s = self.settings
     cs = rnd.contributions
-    raw = outer.raw_weights([c.tokens for c in cs], [c.steps for c in cs], s.merge_rule)
+    raw = outer.raw_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule)
     answered = set(rnd.contributors()) | (set(live) if s.scale_partial_rounds else set())
     weights = {i: self._members[i].period_weights.get(p, 0.0) if i in self._members else 0.0 for i in answered}
     known = [w for w in weights.values() if w > 0]
@@ -463,22 +705,52 @@ class SyncerCore:
     period = sum(w if w > 0 else typical for w in weights.values())
     return raw, period, len(answered)
 
-  def _close_locked(self, p: int, why: str) -> None:
+  def _close_locked(self, p: int, why: str) -> bool:
+    """Merge and publish fragment p's open round; False if it was refused (a non-finite result)."""
     s = self.settings
     rnd = self._open[p]
     self._open[p] = None
     started = self.clock()
     cs = rnd.contributions
+    for c in cs:
+      if c.key is not None and c.key in self._keys.get(c.learner_id, {}):
+        self._keys[c.learner_id][c.key].settled = True
     live = self._live(started)
     raw, period, answered = self._coefficients_locked(p, rnd, live)
     staleness = [self._staleness_locked(p, c.base_version) for c in cs]
     coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
-    merged = outer.merge([c.delta for c in cs], coefficients, rda=s.rda)
     # The share of a full round's work this round holds (undiscounted): the outer momentum moves once
-    # per full share (`outer.make_outer_optimizer`).
+    # per full share (delayed Nesterov, `outer.make_outer_optimizer`).
     share = float(np.sum(outer.merge_coefficients(raw, period, answered)))
-    self._globals[p], self._opt_states[p] = outer.outer_step(self._tx, self._globals[p], self._opt_states[p],
-                                                             merged, share)
+    full, pending_share = outer.share_after(self._pending_shares[p], share)
+    pending = None
+    if self._pending_dirty[p] or not full:
+      if self._pending[p] is None:
+        self._pending[p] = np.zeros_like(self._globals[p])
+      pending = self._pending[p]
+    # The fused pass normalizes its weights; the scale restores the coefficients' sum (0 for a round whose
+    # pushes all claim no tokens: it moves nothing).
+    moved = float(np.sum(coefficients))
+    weights = coefficients if moved > 0 else np.ones_like(coefficients)
+    # In place, all or nothing: a round that would leave a non-finite value writes nothing.
+    result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
+                               codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
+                               norms=[c.norm for c in cs], scale=moved, threads=s.merge_threads,
+                               state_norms=(self._global_norms[p], self._momentum_norms[p], self._pending_norms[p]),
+                               pending=pending, full=full)
+    if not result.applied:
+      # Nothing is published: the version, the global and the optimizer state stay; the contributions are
+      # dropped.
+      self._refused_at[p] = self._versions[p]
+      self.counters["rounds_refused"] += 1
+      self.counters["contributions_dropped"] += len(cs)
+      log.error("fragment %d: round %d refused, its %s would hold non-finite values; dropped %d "
+                "contributions from learners %s; version stays %d", p, self._rounds[p],
+                " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
+      return False
+    self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
+    self._pending_norms[p], self._pending_shares[p], self._pending_dirty[p] = (
+        result.pending_norm, pending_share, pending is not None and not full)
     first = self._versions[p] + 1
     published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
@@ -493,10 +765,17 @@ class SyncerCore:
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
     self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+    self._since_start["rounds"] += 1
+    self._since_start["contributors"] += len(rnd.contributors())
+    self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
+    for c in cs:
+      if c.learner_id in self._members:
+        self._members[c.learner_id].steps_merged += c.steps
     if len(self._decisions) == self._decisions.maxlen:
       self.decisions_dropped += 1
-    self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness,
-                                           coefficients, period, answered, took, share))
+    self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness, coefficients, period,
+                                           answered, took, share))
+    return True
 
   def drain_decisions(self) -> list[dict]:
     """The decision records of the rounds closed since the last call (oldest first), removed from the
@@ -553,8 +832,10 @@ class SyncerCore:
     with self._lock:
       while True:
         self._tick_locked()
-        if self._versions[fragment] >= min_version:
-          published = self._downlink.answer(fragment, min_version, have_version, have_epoch)
+        version = self._versions[fragment]
+        # After a refused round, a wait for the version it was to make ends with the current one.
+        if version >= min_version or (self._refused_at[fragment] == version and min_version == version + 1):
+          published = self._downlink.answer(fragment, min(min_version, version), have_version, have_epoch)
           self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
           return published
@@ -569,19 +850,45 @@ class SyncerCore:
   # ---- introspection and checkpoints ----
 
   def status(self) -> dict:
-    """Members, versions, open rounds and counters, as plain JSON-able values."""
+    """Members, versions, open rounds and counters, as plain JSON-able values. Bounded whatever the
+    membership: at most `STATUS_MEMBERS` members in detail (live ones first) and `STATUS_IDS` ids per
+    list, with counts of all.
+
+    `since_start`: rounds closed since this core started, with their distinct contributors and grace waits
+    (quorum to close) summed. `goodput_estimate`: the syncer's view of goodput since it started, sum over
+    members of (steps merged / P) x step time, over (learners provisioned x uptime): compute whose tokens
+    reached the global model, as a fraction of the time the run held its learners (start-up and compile
+    time, blocked waits, dead time and work not merged count as lost).
+    """
     with self._lock:
       now = self.clock()
+      uptime = now - self._started
+      provisioned = max(self.settings.num_learners, len(self._members)) * uptime
+      useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
+      live = self._live(now)
+      shown = live[:STATUS_MEMBERS]
+      if len(shown) < STATUS_MEMBERS:
+        shown += sorted(i for i in self._members if i not in set(live))[:STATUS_MEMBERS - len(shown)]
       return {
           "fingerprint": self.settings.fingerprint,
           "epoch": self.epoch,
-          "live": self._live(now),
+          "uptime_s": uptime,
+          "since_start": dict(self._since_start),
+          "num_learners": self.settings.num_learners,
+          "goodput_estimate": useful / provisioned if provisioned > 0 else 0.0,
+          "live": live[:STATUS_IDS],
+          "member_count": {"total": len(self._members), "live": len(live), "shown": len(shown)},
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
-                               "lease_left_s": max(m.lease_until - now, 0.0)}
-                      for i, m in sorted(self._members.items())},
+                               "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
+                               "step_ago_s": None if m.step_at is None else now - m.step_at,
+                               "last_push_ago_s": None if m.last_push is None else now - m.last_push,
+                               "steps_merged": m.steps_merged / self.settings.num_fragments}
+                      for i, m in ((i, self._members[i]) for i in sorted(shown))},
           "versions": list(self._versions),
           "rounds": list(self._rounds),
-          "open_rounds": {str(p): {"contributors": r.contributors(), "contributions": len(r.contributions),
+          "open_rounds": {str(p): {"contributors": r.contributors()[:STATUS_IDS],
+                                   "contributor_count": len(r.contributors()),
+                                   "contributions": len(r.contributions),
                                    "deadline_in_s": None if r.deadline is None else r.deadline - now}
                           for p, r in enumerate(self._open) if r is not None},
           "step_time_s": self._step_time(now),
@@ -590,7 +897,7 @@ class SyncerCore:
       }
 
   def state_dict(self) -> dict:
-    """What a syncer checkpoint holds: global fragments, outer optimizer states (numpy), versions, round
+    """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
     numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
     restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
     included: the epoch, membership (learners rejoin after a
@@ -600,12 +907,20 @@ class SyncerCore:
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
-          "opt_states": [outer.state_to_numpy(st) for st in self._opt_states],
+          "opt_states": [m.copy() for m in self._momenta],
+          # Delayed Nesterov: the pending sum of partial rounds (None when it is zero) and its share.
+          "pending": [q.copy() if dirty else None for q, dirty in zip(self._pending, self._pending_dirty)],
+          "pending_shares": list(self._pending_shares),
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
+          # Idempotency keys of settled contributions, whose effect this state holds: [learner,
+          # incarnation, sequence, checksum, fragment, round, late, version].
+          "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late,
+                         r.receipt.version]
+                        for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
           **self._downlink.state_dict(),
       }
 
@@ -621,13 +936,23 @@ class SyncerCore:
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
     if [f.size for f in fragments] != list(s.sizes):
       raise ValueError(f"checkpoint fragment sizes {[f.size for f in fragments]} != {list(s.sizes)}")
-    opt_states = [outer.state_from_numpy(self._tx, f, st) for f, st in zip(fragments, state["opt_states"])]
+    momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
+    global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
+    momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
+    saved_pending = state.get("pending") or [None] * s.num_fragments  # older checkpoints: none pending
+    pending = [None if q is None else np.array(q, np.float32).reshape(-1) for q in saved_pending]
+    if len(pending) != s.num_fragments or any(q is not None and q.size != n for q, n in zip(pending, s.sizes)):
+      raise ValueError(f"checkpoint pending sums do not match the fragment sizes {list(s.sizes)}")
+    pending_shares = [float(x) for x in state.get("pending_shares", [0.0] * s.num_fragments)]
+    pending_norms = [0.0 if q is None else chunked.norm(q, s.merge_threads) for q in pending]
     versions = [int(v) for v in state["versions"]]
     downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
-                                history=s.downlink_history)
+                                threads=s.merge_threads, history=s.downlink_history)
     with self._lock:
       self._globals = fragments
-      self._opt_states = opt_states
+      self._momenta = momenta
+      self._pending, self._pending_shares, self._pending_norms = pending, pending_shares, pending_norms
+      self._pending_dirty = [q is not None for q in pending]
       self._versions = versions
       self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
@@ -639,4 +964,13 @@ class SyncerCore:
       counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
       self.counters = counters
       self._open = [None] * s.num_fragments
+      self._global_norms, self._momentum_norms = global_norms, momentum_norms
+      self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(s.num_fragments)]
+      self._refused_at = [-1] * s.num_fragments
+      self._keys = {}
+      for i, incarnation, sequence, checksum, fragment, rnd, late, *version in state.get("push_keys", []):
+        receipt = PushReceipt(fragment=int(fragment), round=int(rnd), late=bool(late),
+                              version=int(version[0]) if version else -1)
+        self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
+            _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()

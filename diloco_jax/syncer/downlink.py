@@ -8,7 +8,8 @@ from the seed). Each version v is published as a delta from one earlier version 
 
     payload_v = encode(Theta_v - R_u, downlink_codec),   R_v = R_u + decode(payload_v)
 
-(one float32 numpy add, which the learner repeats on its device with the same IEEE rounding). The
+(one float32 add, which the learner repeats on its device with the same IEEE rounding; the syncer does
+both steps in one chunked pass, `codec.encode_residual`, into a reused buffer). The
 quantization residual Theta_v - R_v is part of the next delta from R_v (error feedback), so R trails Theta
 by at most one quantization error of one delta instead of drifting.
 
@@ -20,8 +21,8 @@ versions of its pushes), provided their references are still kept: once per dist
 consecutive versions carrying the same new global (the most held base last, so it is the latest). Each
 learner gets one delta per sync, as under K = M, not the full fragment or a chain; a round whose
 contributors all hold one version publishes one version. The syncer keeps the references of its last
-`history` versions (memory: `history` fragments per fragment; with 1, only the latest is kept and every
-round is one delta from it).
+`history` versions (memory: `history` + 1 fragments per fragment, one of them a spare reused by the next
+commit; with 1, only the latest is kept, updated in place, and every round is one delta from it).
 
 A pull that holds R_u (`have_version == u`) gets the newest version >= its `min_version` that was published
 as a delta from u (kind "delta", `base_version` u); any other gets the latest R_v in fp32 (kind "full":
@@ -46,7 +47,9 @@ from typing import Sequence
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import Published
+from diloco_jax.protocol import BufferPool, Published
+
+ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one costs its page faults)
 
 
 def new_epoch() -> int:
@@ -59,18 +62,25 @@ class Downlink:
   fragment. Not thread-safe: the core calls it under its lock."""
 
   def __init__(self, sizes: Sequence[int], codec: str, block: int, initial: Sequence[np.ndarray], epoch: int,
-               history: int = 1):
+               threads: int = 1, history: int = 1):
     if history < 1:
       raise ValueError(f"outer.downlink_history must be >= 1, got {history}")
     self.sizes, self.codec, self.block = tuple(sizes), codec, block
     self.is_delta = codec != "fp32"
     self.epoch = epoch
+    self.threads = threads
     self.history = history
-    # Shared, not copied: neither the core nor this class ever mutates a fragment array in place.
-    self._refs: list[dict[int, np.ndarray]] = [{0: np.asarray(f, np.float32).reshape(-1)} for f in initial]
+    # With fp32 the reference is the core's global array itself (shared: the core updates it in place,
+    # under its lock, and commits before anyone reads it); with a delta codec they are this class's own
+    # arrays, one per version kept.
+    self._refs: list[dict[int, np.ndarray]] = [
+        {0: np.array(f, np.float32).reshape(-1) if self.is_delta else np.asarray(f, np.float32).reshape(-1)}
+        for f in initial]
+    self._spare: list[np.ndarray | None] = [None] * len(self.sizes)  # an evicted reference, reused
     self._versions = [0] * len(self.sizes)
     self._deltas: list[dict[int, Published]] = [{} for _ in self.sizes]  # version -> delta from its parent
     self._full: list[Published | None] = [None] * len(self.sizes)  # built lazily: joins and laggards
+    self._answers = BufferPool(ANSWER_POOL_BYTES)
 
   def parents(self, p: int, held: Sequence[int] = ()) -> list[int]:
     """The versions a round's publication starts from: every distinct one of `held` (its pushes' base
@@ -86,20 +96,27 @@ class Downlink:
     refs = self._refs[p]
     if not self.is_delta:
       refs.clear()
-      refs[version] = theta  # the core replaces (never mutates) its globals
+      refs[version] = theta
       self._versions[p] = version
       return 1
     parents = self.parents(p, held)
     for i, parent in enumerate(parents):
-      payload = codec_lib.encode(theta - refs[parent], self.codec, self.block)
-      refs[version + i] = refs[parent] + codec_lib.decode(payload, self.codec, self.sizes[p], self.block)
+      if self.history == 1:
+        ref = refs.pop(parent)  # the only reference kept: updated in place (its version is gone)
+        self._deltas[p].pop(parent, None)
+      else:
+        ref = self._spare[p] if self._spare[p] is not None else np.empty(self.sizes[p], np.float32)
+        self._spare[p] = None
+        np.copyto(ref, refs[parent])
+      payload = codec_lib.encode_residual(theta, ref, self.codec, self.block, threads=self.threads)
+      refs[version + i] = ref
       self._deltas[p][version + i] = Published(
           fragment=p, version=version + i, codec=self.codec, payload=payload,
           checksum=codec_lib.checksum(payload), kind="delta", base_version=parent, epoch=self.epoch)
     self._versions[p] = version + len(parents) - 1
     while len(refs) > self.history:
       oldest = min(refs)
-      del refs[oldest]
+      self._spare[p] = refs.pop(oldest)
       self._deltas[p].pop(oldest, None)
     return len(parents)
 
@@ -107,7 +124,7 @@ class Downlink:
     """The newest delta to a version >= `min_version` from the reference the puller holds, if one was
     published, else the full latest R (see the module docstring)."""
     # R_0 is the same in every epoch; any later reference only matches ours if it came from this epoch.
-    if have_version >= 0 and (have_epoch == self.epoch or have_version == 0):
+    if self.is_delta and have_version >= 0 and (have_epoch == self.epoch or have_version == 0):
       for version in sorted(self._deltas[p], reverse=True):
         if version < min_version:
           break
@@ -115,7 +132,10 @@ class Downlink:
         if delta.base_version == have_version:
           return delta
     if self._full[p] is None:
-      payload = codec_lib.encode(self._refs[p][self._versions[p]], "fp32", self.block)
+      # R's bytes, in a buffer no earlier answer still being sent holds (reused, see BufferPool).
+      payload = self._answers.take(4 * self.sizes[p]) or bytearray(4 * self.sizes[p])
+      np.copyto(np.frombuffer(payload, "<f4"), self._refs[p][self._versions[p]])
+      self._answers.adopt(payload)
       self._full[p] = Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
                                 checksum=codec_lib.checksum(payload), epoch=self.epoch)
     return self._full[p]
@@ -140,10 +160,10 @@ class Downlink:
 
   @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],
-              versions: list[int], epoch: int, history: int = 1) -> "Downlink":
+              versions: list[int], epoch: int, threads: int = 1, history: int = 1) -> "Downlink":
     """The downlink of a checkpoint, under a new `epoch`. A checkpoint without references (an fp32 downlink
     run) gives R = Theta, which is what its learners were served; deltas of another codec are dropped."""
-    out = cls(sizes, codec, block, fragments, epoch, history)
+    out = cls(sizes, codec, block, fragments, epoch, threads, history)
     out._versions = list(versions)
     out._refs = [{v: refs[0]} for v, refs in zip(versions, out._refs)]  # R = Theta at the restored versions
     saved = state["references"]

@@ -3,17 +3,32 @@
 It implements `protocol.Transport`, like `transports/inprocess.py`, so the learner's background worker
 does not know which one it holds. Calls block; the worker calls them, never the inner loop.
 
-* Retries: while the syncer is unreachable (UNAVAILABLE: down, restarting, network gone) a call is retried
-  with exponential backoff and jitter, and fails with `SyncerUnreachable` only after `unreachable_deadline_s`
-  (a syncer restart from a checkpoint takes seconds to minutes; learners keep training meanwhile). Other
-  failures are not retried: a refusal by the core is re-raised as the core's `Rejected` with the same reason,
-  a bad token as `AuthError`.
+* Retries: while the syncer is unreachable or busy a call is retried with exponential backoff and jitter,
+  and fails with `SyncerUnreachable` only after `unreachable_deadline_s` (a syncer restart from a
+  checkpoint takes seconds to minutes; learners keep training meanwhile). Retried: UNAVAILABLE (down,
+  restarting, network gone), RESOURCE_EXHAUSTED (rate limit, long-call slots full; not an oversize
+  payload), DEADLINE_EXCEEDED (an attempt that took longer than `call_timeout_s`) and CANCELLED (a stream
+  the syncer cut, or a syncer stopping) unless this client was closed. Every call may be repeated: pushes
+  carry an idempotency key, so a retried push is merged once. Other failures are not retried: a refusal
+  by the core is re-raised as the core's `Rejected` with the same reason, a bad token as `AuthError`.
+* `close()` ends the calls in flight and any retry wait at once (they raise `SyncerUnreachable`): a
+  learner shutting down is never held by the network.
 * Byte counters: `bytes_sent` / `bytes_received` count every gRPC message of every call, exactly as
   `msg.ByteSize() + 5` (the serialized protobuf plus gRPC's 5-byte length-prefix frame header). Not counted:
   HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed call
   headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers. Retried
   attempts count again: they crossed the wire again.
 * WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in.
+* Data plane: when the syncer's Join names a data port (`syncer/dataplane.py`, framing in `wire.py`),
+  push and pull payloads travel over a raw TCP connection to it (TLS with the same certificates when the
+  channel has them; the token proven by an HMAC of the server's nonce), at socket speed, counted byte for
+  byte as sent and received (the hello, request, replies and payload) and paced by the WAN emulation like
+  gRPC chunks. A push carries the same header there, idempotency key included. If the data plane fails
+  (refused connection, reset, timeout, an unreadable reply), the same attempt goes over gRPC, and gRPC
+  carries the payloads until the next Join offers the data plane again; a push whose reply was lost is
+  then merged once (its key). The data plane's refusals are retried and translated as gRPC's are (a busy
+  or rate-limited syncer is retried, the core's refusals raise `Rejected`), and `close()` ends its
+  transfers in flight too.
 """
 
 from __future__ import annotations
@@ -22,14 +37,18 @@ import json
 import logging
 import pathlib
 import random
+import socket
+import ssl
 import threading
 import time
 from typing import Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from diloco_jax import wire
 from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
-from diloco_jax.protocol import Reassembler, Rejected, chunks
+from diloco_jax.protocol import Reassembler, Rejected, chunks, shorten
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.transports import wan as wan_lib
@@ -56,8 +75,54 @@ class SyncerError(RuntimeError):
     self.code = code
 
 
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED)
+
+
 def _message_bytes(msg) -> int:
   return msg.ByteSize() + GRPC_FRAME_BYTES
+
+
+def _reason(e: grpc.RpcError) -> str | None:
+  """The `diloco-reason` trailing metadata of a failed call, if any."""
+  for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+    if key == REASON_METADATA_KEY:
+      return value
+  return None
+
+
+def _retryable(e: grpc.RpcError) -> bool:
+  code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+  if code not in _RETRIED:
+    return False
+  if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy, yes; a message over a size limit stays over it
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    return _reason(e) != "oversize" and "larger than max" not in details
+  return True
+
+
+class _DataPlaneRefusal(grpc.RpcError):
+  """A refusal answered on the data plane, shaped like a failed gRPC call (status code, details, the
+  reason as `diloco-reason` trailing metadata): retries and translation treat both planes alike."""
+
+  _CODES = {"unauthenticated": grpc.StatusCode.UNAUTHENTICATED, "rate_limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "busy": grpc.StatusCode.RESOURCE_EXHAUSTED, "oversize": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self._reason, self._message = reason, message
+
+  def code(self) -> grpc.StatusCode:
+    return self._CODES.get(self._reason, grpc.StatusCode.INVALID_ARGUMENT)
+
+  def details(self) -> str:
+    return self._message
+
+  def trailing_metadata(self):
+    return ((REASON_METADATA_KEY, self._reason),)
+
+
+_FELL_BACK = object()  # a data-plane transfer that failed: the attempt goes over gRPC
 
 
 class GrpcTransport:
@@ -77,6 +142,9 @@ class GrpcTransport:
     unreachable_deadline_s: keep retrying an unreachable syncer this long before raising.
     backoff_s, max_backoff_s: first and largest retry delay.
     call_timeout_s: deadline of one attempt (a Pull adds its long-poll time).
+    sleep: how to wait between retries (tests); default: a wait that `close()` ends.
+    data_plane: use the syncer's data plane for payloads when its Join offers one.
+    max_pull_bytes: the largest pulled payload accepted (a declared size beyond it is refused unread).
   """
 
   def __init__(self, target: str, token: str, learner_id: int, *, fingerprint: str | None = None,
@@ -84,7 +152,8 @@ class GrpcTransport:
                tls_server_name: str | None = None, wan: wan_lib.WanLink | wan_lib.WanSpec | None = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 4 << 20,
                unreachable_deadline_s: float = 300.0, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-               call_timeout_s: float = 120.0, sleep: Callable[[float], None] = time.sleep):
+               call_timeout_s: float = 120.0, sleep: Callable[[float], None] | None = None,
+               data_plane: bool = True, max_pull_bytes: int = 2 << 30):
     if not token:
       raise ValueError("GrpcTransport needs the run token")
     if chunk_bytes < 1 or chunk_bytes + 64 > max_message_bytes:
@@ -97,17 +166,33 @@ class GrpcTransport:
     self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
     self.call_timeout_s = call_timeout_s
     self.wan = wan_lib.WanLink(wan) if isinstance(wan, wan_lib.WanSpec) else wan
-    self._sleep = sleep
+    self._closed = threading.Event()
+    self._sleep = sleep or self._closed.wait
     self._metadata = (("authorization", f"Bearer {token}"),)
+    self._token = token
+    self._use_data_plane = data_plane
+    self.data_port = 0  # from the last Join (0: the syncer offers no data plane)
+    self.max_pull_bytes = max_pull_bytes
+    self._pull_pool = wire.BufferPool(256 << 20)  # pulled payloads, reused once decoded
+    self._data_host = target.rsplit(":", 1)[0].strip("[]")
+    self._data_ssl, self._data_server_name = None, None
+    self._data_socks: set = set()  # data-plane sockets in flight (`close` shuts them down)
     self._lock = threading.Lock()
     self._sent = 0
     self._received = 0
     self.retries = 0
     options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+               ("grpc.max_send_message_length", max_message_bytes),
+               # A connection of its own (not shared with other clients of this process): the syncer
+               # tells callers apart by their connection.
+               ("grpc.use_local_subchannel_pool", 1)]
     if tls_ca or tls_cert:
       read = lambda p: pathlib.Path(p).read_bytes() if p else None
       creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+      self._data_ssl = ssl.create_default_context(cafile=tls_ca)
+      if tls_cert:
+        self._data_ssl.load_cert_chain(tls_cert, tls_key)
+      self._data_server_name = tls_server_name or self._data_host
       if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
       self._channel = grpc.secure_channel(target, creds, options=options)
@@ -159,32 +244,33 @@ class GrpcTransport:
   # --- retries and error translation ----------------------------------------------------------------------
 
   def _call(self, name: str, attempt: Callable[[float], object]):
-    """Run `attempt(timeout)`, retrying while the syncer is unreachable; translate failures."""
+    """Run `attempt(timeout)`, retrying while the syncer is unreachable or busy; translate failures."""
     start = time.monotonic()
     delay = self.backoff_s
     while True:
+      if self._closed.is_set():
+        raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed")
       try:
         return attempt(self.call_timeout_s)
       except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-        if code != grpc.StatusCode.UNAVAILABLE:
+        if self._closed.is_set():
+          raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None
+        if not _retryable(e):
           raise self._translate(name, e) from None
+        code = e.code()
         waited = time.monotonic() - start
         if waited + delay > self.unreachable_deadline_s:
-          raise SyncerUnreachable(f"syncer at {self.target} unreachable for {waited:.1f}s ({name}): "
-                                  f"{e.details() if hasattr(e, 'details') else e}") from None
+          raise SyncerUnreachable(f"syncer at {self.target} unreachable or busy for {waited:.1f}s ({name}; "
+                                  f"last: {code.name} {shorten(e.details() or '', 200)})") from None
         with self._lock:
           self.retries += 1
-        log.info("%s: syncer %s unavailable, retrying in %.2fs", name, self.target, delay)
+        log.info("%s: syncer %s answered %s, retrying in %.2fs", name, self.target, code.name, delay)
         self._sleep(delay * random.uniform(0.8, 1.2))
         delay = min(delay * 2, self.max_backoff_s)
 
   def _translate(self, name: str, e: grpc.RpcError) -> Exception:
     code, details = e.code(), e.details() or ""
-    reason = None
-    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-      if key == REASON_METADATA_KEY:
-        reason = value
+    reason = _reason(e)
     if code == grpc.StatusCode.UNAUTHENTICATED:
       return AuthError(f"{name}: syncer refused the run token: {details}")
     if reason in REASONS:
@@ -201,8 +287,9 @@ class GrpcTransport:
 
     def attempt(timeout):
       self._out(request, True)
-      response = self._stub.Join(request, timeout=timeout, metadata=self._metadata)
-      return {int(k): int(v) for k, v in self._in(response, True).versions.items()}
+      response = self._in(self._stub.Join(request, timeout=timeout, metadata=self._metadata), True)
+      self.data_port = int(response.data_port) if self._use_data_plane else 0
+      return {int(k): int(v) for k, v in response.versions.items()}
 
     return self._call("join", attempt)
 
@@ -217,10 +304,12 @@ class GrpcTransport:
 
     self._call("leave", attempt)
 
-  def heartbeat(self, learner_id: int, step_time_s: float) -> None:
-    """Renew the lease, reporting the recent inner-step time."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+    """Renew the lease, reporting the recent inner-step time (and the inner step, if given)."""
     request = pb.HeartbeatRequest(learner_id=learner_id, fingerprint=self.fingerprint or "",
                                   step_time_s=float(step_time_s))
+    if step is not None:
+      request.step = int(step)
 
     def attempt(timeout):
       self._out(request, True)
@@ -243,9 +332,14 @@ class GrpcTransport:
     """Send one outer gradient in chunks; returns the syncer's receipt."""
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
-                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload))
+                           codec=push.codec, checksum=push.checksum, total_size=len(push.payload),
+                           incarnation=push.incarnation, sequence=push.sequence)
 
     def attempt(timeout):
+      if self.data_port:
+        receipt = self._data_call("push", wire.OP_PUSH, header, push.payload)
+        if receipt is not _FELL_BACK:
+          return receipt
       response = self._stub.Push(self._push_chunks(header, push.payload), timeout=timeout,
                                  metadata=self._metadata)
       response = self._in(response, True)
@@ -271,6 +365,10 @@ class GrpcTransport:
       request.have_epoch = have_epoch
 
     def attempt(timeout):
+      if self.data_port:
+        pulled = self._data_call("pull", wire.OP_PULL, request, None, wait_s=float(timeout_s))
+        if pulled is not _FELL_BACK:
+          return pulled
       self._out(request, True)
       stream = self._stub.Pull(request, timeout=timeout + float(timeout_s), metadata=self._metadata)
       first = next(stream, None)
@@ -282,7 +380,7 @@ class GrpcTransport:
           pass
         return None
       if h.kind not in ("", "full", "delta"):
-        raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {h.kind!r}")
+        raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {shorten(h.kind)}")
       payload = Reassembler(h.total_size, f"pulled fragment {h.fragment}")
       try:
         for msg in stream:
@@ -298,7 +396,104 @@ class GrpcTransport:
 
     return self._call("pull", attempt)
 
+  # --- the data plane ------------------------------------------------------------------------------------
+
+  def _data_call(self, name: str, op: bytes, header, payload: bytes | None, wait_s: float = 0.0):
+    """One transfer over the data plane: the PushReceipt (push), the Published or None (pull). A refusal
+    raises `_DataPlaneRefusal` (retried or translated by `_call`, as gRPC's); a broken transfer returns
+    `_FELL_BACK` after logging (the attempt goes over gRPC), or raises SyncerUnreachable once closed."""
+    port = self.data_port
+    sock = None
+    try:
+      raw = socket.create_connection((self._data_host, port), timeout=min(self.call_timeout_s, 10.0))
+      try:
+        raw.settimeout(self.call_timeout_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = (self._data_ssl.wrap_socket(raw, server_hostname=self._data_server_name)
+                if self._data_ssl is not None else raw)
+      except BaseException:
+        raw.close()
+        raise
+      with self._lock:
+        self._data_socks.add(sock)
+      if self._closed.is_set():  # closed meanwhile: `close` may have missed this socket
+        raise OSError("the transport was closed")
+      nonce = wire.parse_hello(self._data_recv(sock, wire.HELLO_BYTES, first=True))
+      self._data_send(sock, wire.request(self._token, nonce, op, header.SerializeToString()), first=True)
+      if op == wire.OP_PUSH:
+        wire.send_payload(sock, payload, lambda n: self._data_count_out(n, first=False))
+        r = pb.PushResponse.FromString(self._data_reply(sock, name))
+        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, version=r.version)
+      sock.settimeout(self.call_timeout_s + wait_s)  # the reply waits for the long-poll
+      h = pb.PullHeader.FromString(self._data_reply(sock, name))
+      sock.settimeout(self.call_timeout_s)
+      return self._data_pulled(sock, h)
+    except (OSError, wire.WireError, ssl.SSLError, ProtocolError, DecodeError) as e:
+      if self._closed.is_set():
+        raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None
+      # gRPC carries the payloads until the next Join offers the data plane again.
+      log.warning("%s: data plane to %s:%d failed (%s); using gRPC", name, self._data_host, port, e)
+      self.data_port = 0
+      return _FELL_BACK
+    finally:
+      if sock is not None:
+        with self._lock:
+          self._data_socks.discard(sock)
+        sock.close()
+
+  def _data_pulled(self, sock, h) -> Published | None:
+    if not h.found:
+      return None
+    if h.kind not in ("", "full", "delta"):
+      raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {shorten(h.kind)}")
+    if h.total_size > self.max_pull_bytes:
+      raise SyncerError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"pull: declared payload of {h.total_size} bytes "
+                        f"exceeds this client's limit of {self.max_pull_bytes}")
+    data = wire.recv_payload(sock, h.total_size, f"pulled fragment {h.fragment}",
+                             lambda n: self._data_count_in(n, first=False), self._pull_pool)
+    kind = {"base_version": h.base_version, "kind": "delta"} if h.kind == "delta" else {}
+    return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data, checksum=h.checksum,
+                     epoch=h.epoch, **kind)
+
+  def _data_reply(self, sock, name: str) -> bytes:
+    status, body = wire.recv_frame(sock, f"{name} reply")
+    self._data_count_in(5 + len(body), first=False)
+    if status == wire.OK:
+      return body
+    raise _DataPlaneRefusal(*wire.parse_refusal(body))
+
+  def _data_send(self, sock, data: bytes, first: bool) -> None:
+    self._data_count_out(len(data), first)
+    sock.sendall(data)
+
+  def _data_recv(self, sock, n: int, first: bool) -> bytes:
+    data = wire.recv_exact(sock, n, "hello")
+    self._data_count_in(n, first)
+    return data
+
+  def _data_count_out(self, n: int, first: bool) -> None:
+    if self.wan is not None:
+      self.wan.send(n, first=first)
+    with self._lock:
+      self._sent += n
+
+  def _data_count_in(self, n: int, first: bool) -> None:
+    with self._lock:
+      self._received += n
+    if self.wan is not None:
+      self.wan.receive(n, first=first)
+
   def close(self) -> None:
+    """Close the connection: calls in flight (data-plane transfers too) and retry waits end at once
+    (`SyncerUnreachable`)."""
+    self._closed.set()
+    with self._lock:
+      socks = list(self._data_socks)
+    for sock in socks:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)
+      except OSError:  # already closed by its transfer
+        pass
     self._channel.close()
 
   def __enter__(self):

@@ -1,0 +1,122 @@
+"""The global model's eval curve in a multi-process run: `python -m diloco_jax evaluator`.
+
+    python -m diloco_jax evaluator --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 \\
+        --workdir runs/r/global --token-file run.token --run-id r1
+
+An observer of the syncer (`evaluator/loop.py`): it asks for the syncer's status and pulls the global
+fragments like a learner that never pushes, without joining (`protocol.OBSERVER_ID`), so it is no member
+and never counts toward a quorum. It evaluates the global model on the run's shared eval set every
+`train.eval_every` steps of progress (tokens merged), on its own devices (the first `learners.devices`;
+on a CPU-only machine it gives itself fake ones), so it takes no learner time. `python -m diloco_jax
+local` starts one.
+
+The config (with its overrides) and `--run-id` must be the syncer's (the fingerprint travels on pulls).
+SIGTERM or SIGINT: one last eval if the global model moved since the previous one, then exit 0; a second
+signal exits at once. Output in `--workdir`: `metrics.jsonl` and TensorBoard event files (`eval/loss`
+against progress steps; `tokens` holds the tokens merged), `config.json`, and `summary.json` (the last
+record and the number of evals).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from absl import flags
+
+from diloco_jax import cli
+from diloco_jax import config as config_lib
+from diloco_jax import metrics as metrics_lib
+from diloco_jax import protocol
+from diloco_jax.evaluator import loop
+from diloco_jax.transports import client_flags
+from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
+
+EXIT_FAILED = 1
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+  client_flags.define(fv)
+  flags.DEFINE_string("workdir", None, "where the eval records go (metrics.jsonl, event files, summary.json)",
+                      flag_values=fv, required=True)
+  flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
+  flags.DEFINE_float("poll-s", 1.0, "seconds between two looks at the syncer's progress", flag_values=fv)
+
+
+def run(config, *, target: str, workdir: str, token: str, run_id: str = "", tls: dict | None = None,
+        poll_s: float = 1.0, stop: threading.Event | None = None, quiet: bool = False) -> dict:
+  """Evaluate the global model of the syncer at `target` on schedule until `stop` is set; then once more
+  if it moved. Returns the summary (also `<workdir>/summary.json`)."""
+  stop = stop or threading.Event()
+  devices = cli.devices(config.learners.devices, "evaluator")[:config.learners.devices]
+  config_lib.save_resolved(config, workdir, run_id)
+  global_eval = loop.GlobalEval(config, devices)
+  plan = global_eval.plan
+  transport = GrpcTransport.from_config(config, target, token, protocol.OBSERVER_ID, **(tls or {}))
+  transport.fingerprint = config_lib.fingerprint(config, run_id)
+  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.GLOBAL_EVAL_TAGS)
+  source = loop.TransportSource(transport, [plan.size(p) for p in range(plan.num_fragments)],
+                                config.outer.codec_block)
+  evaluator = loop.GlobalEvaluator(global_eval, source, loop.EvalSchedule.from_config(config), metrics_log,
+                                   poll_s=poll_s)
+  if not quiet:
+    print(f"evaluator: {len(devices)} {devices[0].platform} device(s), syncer {target}, every "
+          f"{config.train.eval_every} steps of progress", file=sys.stderr, flush=True)
+  evals = 0
+  try:
+    while not stop.is_set():
+      try:
+        record = evaluator.poll()
+      except (AuthError, protocol.Rejected):  # another run, or a wrong token: looking again cannot help
+        raise
+      except Exception as e:  # noqa: BLE001 - the syncer may be restarting; look again at the next poll
+        print(f"evaluator: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        record = None
+      if record is not None:
+        evals += 1
+        if not quiet:
+          print(f"evaluator: step {record['step']} ({record['tokens']:,.0f} tokens merged), versions "
+                f"{record['versions']}: eval loss {record['eval_loss']:.4f}", file=sys.stderr, flush=True)
+      stop.wait(poll_s)
+    before = evaluator.latest
+    last = evaluator.stop(final=True)
+    evals += int(last is not before)
+  finally:
+    metrics_log.close()
+    transport.close()
+  summary = {"evals": evals, "latest": last, "final_eval_loss": None if last is None else last["eval_loss"]}
+  metrics_lib.write_summary(workdir, summary)
+  if not quiet:
+    print(f"evaluator: done after {evals} evals; last: "
+          + ("none" if last is None else f"eval loss {last['eval_loss']:.4f} at versions {last['versions']}"),
+          file=sys.stderr, flush=True)
+  return summary
+
+
+def main(argv) -> int:
+  """`python -m diloco_jax evaluator --config C --syncer HOST:PORT --workdir D`; see the module docstring."""
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  config = cli.validated(fv.config, None, learners=True)
+  target, token = client_flags.target(fv), client_flags.token(fv)
+  stop = threading.Event()
+
+  def on_signal(signum, frame):
+    del frame
+    if stop.is_set():
+      os._exit(EXIT_FAILED)  # a second signal: the final eval may be stuck on a dead syncer
+    print(f"evaluator: signal {signum}: a last eval, then exit", file=sys.stderr, flush=True)
+    stop.set()
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  try:
+    run(config, target=target, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
+        tls=client_flags.tls(fv), poll_s=fv["poll-s"].value, stop=stop)
+  except (SyncerUnreachable, AuthError, protocol.Rejected) as e:
+    print(f"evaluator: {e}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+  return 0

@@ -1,0 +1,161 @@
+"""A learner whose mesh spans several processes (a TPU slice of several hosts): one learner, H processes.
+
+Every process runs the same `Learner` loop on the same global mesh, so they dispatch the same jitted
+computations in the same order. What depends on the network is decided by process 0, the only one with a
+transport (it alone joins, pushes, pulls and heartbeats), and handed to the others at step boundaries:
+
+* **where**: the points of the loop where a merged fragment may be adopted follow from state every process
+  shares (the fragments in flight, their snapshot steps, tau), so all processes reach the same decision
+  points in the same order and number them alike. Between them nothing is exchanged: a step with no
+  fragment waiting to be adopted costs nothing. Every `train.log_every` steps a decision point also
+  carries the stop flag (a signal on any process stops the learner at the same step everywhere).
+* **what**: at a decision point process 0 looks at its futures and publishes one small message (which
+  fragments in flight to adopt, their versions, kinds and epochs; or stop; or the error that ended it)
+  through `multihost.HostChannel`; the others read it. Process 0 never waits for them.
+* **the values**: each adopted fragment's vector goes from process 0's devices to every device of the
+  learner in one collective (`multihost.Broadcaster`), not through N syncer connections.
+
+The outer gradient that process 0 pushes is its local copy of a replicated array (the whole vector). Data
+(`MeshTrainer`) and checkpoints (orbax) are already per process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+
+from diloco_jax import multihost
+from diloco_jax.learner import loop as loop_lib
+from diloco_jax.learner.comms import SyncResult
+
+
+class GroupLearner(loop_lib.Learner):
+  """`Learner` on a mesh over the devices of several processes. Process 0 gets the transport; the others
+  pass `transport=None` and follow process 0's decisions, read from `channel`."""
+
+  def __init__(self, config, learner_id: int, devices, transport, fingerprint: str, workdir, *,
+               channel: multihost.HostChannel, metrics_log=None, checkpoint_dir=None):
+    self.channel = channel
+    self.leader = channel.leader
+    if self.leader != (transport is not None):
+      raise ValueError("process 0 of a learner needs the transport, and only process 0")
+    super().__init__(config, learner_id, devices, transport, fingerprint, workdir, metrics_log=metrics_log,
+                     checkpoint_dir=checkpoint_dir)
+    self._broadcast = multihost.Broadcaster(self.trainer.mesh)
+    self._seq = 0
+    self._local_stop = lambda: False
+    self.stop_agreed = False
+    self.decisions = 0
+    # Host time in decisions: publishing them (process 0, whose waits for the syncer count as blocked_s
+    # only), or waiting for and reading them (the others: this includes process 0's waits).
+    self.decision_s = 0.0
+    self.broadcasts = 0
+    self.broadcast_s = 0.0  # host time spent dispatching the broadcasts of merged fragments
+
+  # -- decisions -------------------------------------------------------------------------------------
+
+  def _decide(self, make_message) -> dict:
+    """One decision point: process 0 publishes `make_message()`, the others read it. If making it fails
+    (process 0's syncer calls failed), the others are told before the error propagates."""
+    seq, self._seq = self._seq, self._seq + 1
+    t0 = time.perf_counter()
+    if self.leader:
+      try:
+        message = make_message()
+      except BaseException as e:
+        self.channel.publish(seq, {"error": f"{type(e).__name__}: {e}"[:2000]})
+        raise
+      self.channel.publish(seq, message)
+    else:
+      message = self.channel.receive(seq)
+    self.decisions += 1
+    self.decision_s += time.perf_counter() - t0
+    if "error" in message:
+      raise RuntimeError(f"learner {self.learner_id}: process 0 failed: {message['error']}")
+    return message
+
+  def _vector(self, vec, fragment: int) -> jax.Array:
+    """A merged fragment's vector (process 0 has it on its host; the others pass None), on every device
+    of the learner."""
+    t0 = time.perf_counter()
+    out = self._broadcast(vec if self.leader else None, self.plan.size(fragment))
+    self.broadcasts += 1
+    self.broadcast_s += time.perf_counter() - t0
+    return out
+
+  def _adopt_decided(self, entries, items) -> None:
+    """Adopt the results a decision names: entries [index into `items`, version, kind, base_version, epoch,
+    late]; process 0 takes the vectors from its futures."""
+    chosen = [items[int(entry[0])] for entry in entries]
+    for entry, item in zip(entries, chosen):
+      self.in_flight.remove(item)
+      _, version, kind, base_version, epoch, late = entry
+      vec = item.future.result().global_vec if self.leader else None
+      result = SyncResult(item.fragment, int(version), self._vector(vec, item.fragment), late=bool(late),
+                          kind=str(kind), base_version=int(base_version), epoch=int(epoch))
+      self._adopt(result, item.snapshot)
+
+  @staticmethod
+  def _entry(index: int, result: SyncResult) -> list:
+    return [index, result.version, result.kind, result.base_version, result.epoch, bool(result.late)]
+
+  # -- the Learner's decision points ---------------------------------------------------------------
+
+  def join(self) -> None:
+    fetched = {}  # on process 0: fragment -> (published header, vector)
+
+    def message():
+      versions = self.comms.join()
+      if self.restored or any(v > 0 for v in versions.values()):
+        for p in range(self.plan.num_fragments):
+          fetched[p] = self.comms.fetch(p, 0, have_version=-1)
+      return {"join": [[p, published.version, published.epoch] for p, (published, _) in fetched.items()]}
+
+    for p, version, epoch in self._decide(message)["join"]:
+      vec = self._vector(fetched[p][1] if self.leader else None, p)
+      self._adopt(SyncResult(p, version, vec, late=False, epoch=epoch), snapshot=None)
+
+  def stop_predicate(self, should_stop):
+    self._local_stop = should_stop or (lambda: False)
+    return lambda: self.stop_agreed
+
+  def _adopt_ready(self, step: int) -> None:
+    items = list(self.in_flight)
+    candidates = [i for i, item in enumerate(items) if step >= item.snapshot_step + self._tau]
+    check_stop = step % self.config.train.log_every == 0
+    if not candidates and not check_stop:
+      return
+    if check_stop and not self.leader and self._local_stop():
+      self.channel.request_stop()
+
+    def message():
+      ready = [i for i in candidates if items[i].future.done()]
+      stop = check_stop and (self._local_stop() or self.channel.stop_requested())
+      return {"adopt": [self._entry(i, items[i].future.result()) for i in ready], "stop": stop}
+
+    decided = self._decide(message)
+    self.stop_agreed = self.stop_agreed or bool(decided.get("stop"))
+    self._adopt_decided(decided["adopt"], items)
+
+  def _wait(self, item: loop_lib.InFlight) -> None:
+    items = list(self.in_flight)
+    if self.leader and not item.future.done():
+      jax.block_until_ready(self.trainer.state.params)  # as Learner._wait: dispatched steps are compute
+    t0 = time.perf_counter()
+    if self.leader:  # the blocked wait; an error it ends in goes to the others with the decision
+      concurrent.futures.wait([item.future])
+    decided = self._decide(lambda: {"adopt": [self._entry(items.index(item), item.future.result())]})
+    self.stats.blocked_s += time.perf_counter() - t0
+    self._adopt_decided(decided["adopt"], items)
+
+  def _start_sync(self, p: int, delta: jax.Array):
+    if not self.leader:
+      return None
+    # The snapshot is replicated: process 0's own copy is the whole vector, and only it goes to the host.
+    return super()._start_sync(p, multihost.local_replica(delta))
+
+  def group_stats(self) -> dict:
+    return {"processes": self.channel.num_processes, "decisions": self.decisions,
+            "decision_s": self.decision_s, "broadcasts": self.broadcasts, "broadcast_s": self.broadcast_s}

@@ -1,0 +1,326 @@
+"""Merge safety and identity in the syncer core (fake clock): no claim, norm, non-finite round, duplicate
+or stranger changes the global model, and what each hostile push gets back."""
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import helpers
+from diloco_jax import config as config_lib
+from diloco_jax.protocol import Rejected
+from diloco_jax.syncer import core as core_lib
+
+FP = helpers.FP
+H, TPB, STEPS = 10, 256, 60  # sync_every, tokens per learner step, train.steps
+
+
+def make_core(num_learners=4, sizes=(64,), k=1, max_norm_ratio=10.0, **kw):
+  """A core with the run bounds `from_config` sets (tiny_cpu-like), lr 1 / momentum 0 (new global = old
+  global - merged delta), every learner joined."""
+  clock = helpers.FakeClock()
+  kw.setdefault("lease_s", 100.0)
+  c = helpers.make_core(sizes, k=k, lr=1.0, momentum=0.0, clock=clock, num_learners=num_learners,
+                        tokens_per_step=TPB, sync_every=H, max_push_steps=STEPS,
+                        max_norm_ratio=max_norm_ratio, **kw)
+  for i in range(num_learners):
+    c.join(i, FP)
+  return c, clock
+
+
+def push(c, learner, delta, **kw):
+  kw.setdefault("steps", H)
+  kw.setdefault("tokens", kw["steps"] * TPB)
+  return c.push(helpers.make_push(learner, np.asarray(delta, np.float32), core=c, **kw))
+
+
+def frozen(c):
+  """Everything but the counters: globals, momentum, versions, open rounds, members."""
+  state = c.state_dict()
+  status = c.status()
+  for d in (state, status):
+    d.pop("counters")
+  return repr({k: ([np.asarray(x).tobytes() for x in v] if k == "fragments" else v)
+               for k, v in state.items() if k != "opt_states"}) + json.dumps(status, sort_keys=True)
+
+
+def small(n=64, scale=0.01, seed=0):
+  return (scale * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+
+
+def test_settings_from_config_bound_the_claims():
+  c = config_lib.base_config()
+  c.learners.num, c.data.global_batch, c.data.seq_len = 4, 16, 64
+  plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8})()
+  s = core_lib.SyncerSettings.from_config(c, plan, "fp")
+  assert (s.num_learners, s.tokens_per_step, s.sync_every, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
+                                                                                 c.train.steps)
+  assert s.max_norm_ratio == c.outer.max_norm_ratio == 10.0
+
+
+@pytest.mark.parametrize("steps,tokens,why", [
+    (H, 10**18, "tokens claimed"),  # the issue's push: tokens=1e18 took the whole merge weight
+    (H, H * TPB + 1, "tokens claimed"),
+    (0, 1, "tokens claimed"),
+    (STEPS + 1, (STEPS + 1) * TPB, "train.steps"),
+    (2**62, 2**62 * TPB, "train.steps"),
+])
+def test_impossible_claims_are_refused_and_change_nothing(steps, tokens, why):
+  c, _ = make_core(k=2)
+  push(c, 1, small())  # an open round that must stay as it is
+  before = frozen(c)
+  with pytest.raises(Rejected, match=why) as e:
+    push(c, 0, small(seed=1), steps=steps, tokens=tokens)
+  assert e.value.reason == "overclaim"
+  assert frozen(c) == before
+  assert c.counters["rejected"]["overclaim"] == 1 and c.counters["contributions_rejected"] == 1
+
+
+@pytest.mark.parametrize("rule", ["tokens", "tokens_sq_per_step"])
+def test_no_claim_weighs_more_than_an_honest_period(rule):
+  # Learner 0 claims the most the schedule allows (all of train.steps); learner 1 an honest period. Both
+  # weigh one period: the merge is their plain mean.
+  c, _ = make_core(k=2, merge_rule=rule)
+  g0 = c.global_fragments()[0]
+  a, b = small(seed=1), small(seed=2)
+  push(c, 0, a, steps=STEPS, tokens=STEPS * TPB)
+  push(c, 1, b)
+  assert c.status()["versions"] == [1]
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - (0.5 * a + 0.5 * b), rtol=1e-5, atol=1e-7)
+  assert c.counters["tokens_merged"] == (STEPS + H) * TPB  # the tokens are still counted as claimed
+  # A shorter honest push (a flush) still weighs less.
+  c, _ = make_core(k=2, merge_rule=rule)
+  g0 = c.global_fragments()[0]
+  push(c, 0, a, steps=5)
+  push(c, 1, b)
+  w = np.array([5, 10.0]) if rule == "tokens" else np.array([25 / 5, 100 / 10])
+  w /= w.sum()
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - (w[0] * a + w[1] * b), rtol=1e-5, atol=1e-7)
+
+
+def test_outliers_are_refused_against_the_fragment_history():
+  c, _ = make_core(k=4)
+  g_norm = float(np.linalg.norm(c.global_fragments()[0]))
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  # Warm-up: the reference is the global fragment's own norm.
+  before = frozen(c)
+  with pytest.raises(Rejected, match="global fragment's own norm") as e:
+    push(c, 0, unit * 11 * g_norm)
+  assert e.value.reason == "outlier" and frozen(c) == before
+  # The issue's example: a finite 3e38 per element (its norm overflows float32): refused, state unchanged.
+  with pytest.raises(Rejected) as e:
+    push(c, 0, np.full(64, 3e38, np.float32))
+  assert e.value.reason == "outlier" and frozen(c) == before
+  # Four accepted pushes of norm ~1: now the median is the reference.
+  for i, scale in enumerate((1.0, 1.2, 0.9, 1.1)):
+    push(c, i, unit * scale)
+  assert c.status()["versions"] == [1]
+  before = frozen(c)
+  with pytest.raises(Rejected, match=r"median of its last 4") as e:
+    push(c, 0, unit * 10.6, base_version=1)  # > 10 x median(1.0, 1.2, 0.9, 1.1) = 10.5
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 10.4, base_version=1)  # within the bound
+  assert c.counters["rejected"]["outlier"] == 3 and c.counters["contributions_rejected"] == 3
+
+
+def test_shrinking_early_pushes_and_flushes_are_never_outliers():
+  # Norms as a run shows them (tiny_cpu, measured): short warm-up pushes, a first full period about 3x
+  # larger, then shrinking, ending with half-period flushes.
+  c, _ = make_core(k=4, sizes=(64,))
+  unit = np.ones(64, np.float32) / 8
+  norms = [0.8] * 4 + [2.5] * 4 + [1.2] * 4 + [0.8] * 4 + [0.5] * 4 + [0.3] * 4 + [0.09] * 4
+  for v in range(len(norms) // 4):
+    for i in range(4):
+      push(c, i, unit * norms[4 * v + i], base_version=v)
+  assert c.status()["versions"] == [len(norms) // 4]
+  assert c.counters["contributions_rejected"] == 0
+
+
+def test_zero_pushes_do_not_set_the_scale():
+  # A first step at lr 0 moves nothing: those pushes must not make every later one an outlier.
+  c, _ = make_core(k=4)
+  for i in range(4):
+    push(c, i, np.zeros(64))
+  for i in range(4):
+    push(c, i, small(seed=i), base_version=1)
+  assert c.status()["versions"] == [2] and c.counters["contributions_rejected"] == 0
+
+
+def test_a_round_that_would_publish_nonfinite_values_is_refused_whole(caplog):
+  # With the outlier check off, the issue's push (3e38 per element, finite) pushed alone reaches a round:
+  # the Nesterov step would overflow to inf (and NaN next). The round is refused: nothing is published.
+  clock = helpers.FakeClock()
+  c = helpers.make_core((64,), k=1, lr=0.7, momentum=0.9, clock=clock, num_learners=4, lease_s=100.0,
+                        max_grace_s=0.0)
+  for i in range(4):
+    c.join(i, FP)
+  c.push(helpers.make_push(0, small(), core=c))  # round 0 merges normally
+  state0 = c.state_dict()
+  waiting = []
+  waiter = threading.Thread(target=lambda: waiting.append(c.pull(0, 2, timeout_s=30.0)))
+  waiter.start()
+  time.sleep(0.2)  # another learner's pull is waiting for version 2
+  started = time.monotonic()
+  with caplog.at_level(logging.ERROR, logger="diloco_jax.syncer.core"):
+    receipt = c.push(helpers.make_push(2, np.full(64, 3e38, np.float32), core=c, base_version=1))
+  assert receipt.round == 1
+  after = c.state_dict()
+  for k in ("fragments", "versions", "rounds"):
+    assert repr(after[k]) == repr(state0[k]), k
+  for x, y in zip(helpers_leaves(after["opt_states"]), helpers_leaves(state0["opt_states"])):
+    np.testing.assert_array_equal(x, y)
+  assert c.status()["versions"] == [1] and "0" not in c.status()["open_rounds"]
+  assert c.counters["rounds_refused"] == 1 and c.counters["contributions_dropped"] == 1
+  assert any("refused" in r.message and "non-finite" in r.message for r in caplog.records)
+  # Waits for the version the refused round was to make are answered at once with the one that stays
+  # (the learner whose push was dropped pulls right after its receipt).
+  waiter.join(10)
+  assert waiting and waiting[0].version == 1 and time.monotonic() - started < 10
+  assert c.pull(0, 2, timeout_s=5.0).version == 1
+  assert np.isfinite(c.global_fragments()[0]).all()
+  # The next good round publishes version 2, and a wait for version 3 is a real wait again.
+  c.push(helpers.make_push(1, small(seed=5), core=c, base_version=1))
+  assert c.status()["versions"] == [2] and np.isfinite(c.global_fragments()[0]).all()
+  assert c.pull(0, 3, timeout_s=0.2) is None
+
+
+@pytest.mark.parametrize("codec,threads", [("fp32", 1), ("int4", 2)])
+def test_a_refused_round_leaves_no_chunk_of_the_fragment_changed(codec, threads):
+  # The close steps the global and momentum in place, chunk by chunk: a round whose overflow lies in its
+  # last chunk must not have written the chunks before it. Two pushes, each finite and within its own
+  # norm's bound of float32, whose sum (x 1.9, Nesterov's g + mu m) overflows at the fragment's end only.
+  n = 5 * 65536 + 100
+  clock = helpers.FakeClock()
+  c = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
+                        lease_s=100.0, merge_threads=threads)
+  for i in range(2):
+    c.join(i, FP)
+  c.push(helpers.make_push(0, small(n), core=c))
+  c.push(helpers.make_push(1, small(n, seed=1), core=c))  # round 0: momentum is non-zero from here
+  state0 = c.state_dict()
+  huge = small(n, seed=2)
+  huge[-64:] = 3e38
+  for i in range(2):
+    c.push(helpers.make_push(i, huge, core=c, base_version=1))
+  after = c.state_dict()
+  assert c.counters["rounds_refused"] == 1 and after["versions"] == [1]
+  np.testing.assert_array_equal(after["fragments"][0], state0["fragments"][0])
+  np.testing.assert_array_equal(after["opt_states"][0], state0["opt_states"][0])
+  # The next honest round steps from the untouched state, as a core that never saw the refused one does.
+  twin = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
+                           lease_s=100.0, merge_threads=threads)
+  twin.load_state_dict(state0)
+  for i in range(2):
+    twin.join(i, FP)
+  for core in (c, twin):
+    for i in range(2):
+      core.push(helpers.make_push(i, small(n, seed=3 + i), core=core, base_version=1))
+  np.testing.assert_array_equal(c.global_fragments()[0], twin.global_fragments()[0])
+  assert c.status()["versions"] == [2]
+
+
+def helpers_leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_a_duplicate_push_gets_the_original_receipt_and_merges_once():
+  c, _ = make_core(k=2)
+  g0 = c.global_fragments()[0]
+  a = small(seed=1)
+  first = c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  before = frozen(c)
+  again = c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert again == first and frozen(c) == before
+  assert c.counters["pushes_duplicate"] == 1
+  # The same key on another payload: refused.
+  with pytest.raises(Rejected) as e:
+    c.push(helpers.make_push(0, small(seed=9), core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert e.value.reason == "key_conflict" and frozen(c) == before
+  # Another sequence number of the same process is a new push; another learner's same key too.
+  b = small(seed=2)
+  c.push(helpers.make_push(1, b, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert c.status()["versions"] == [1] and c.counters["contributions_merged"] == 2
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - 0.5 * (a + b), rtol=1e-5, atol=1e-7)
+  # A retry after the round closed: still the original receipt, not merged again.
+  assert c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77,
+                                  sequence=1)) == first
+  assert c.status()["versions"] == [1] and c.counters["contributions_merged"] == 2
+  # Memory is bounded: the last KEYS_PER_LEARNER keys of each learner.
+  for seq in range(2, 40):
+    c.push(helpers.make_push(2, small(seed=seq), core=c, steps=H, tokens=H * TPB, incarnation=5,
+                             sequence=seq, base_version=c.status()["versions"][0]))
+  assert len(c._keys[2]) == core_lib.KEYS_PER_LEARNER
+
+
+def test_checkpoints_keep_the_keys_of_settled_contributions_only():
+  c, _ = make_core(k=2)
+  merged = helpers.make_push(0, small(seed=1), core=c, steps=H, tokens=H * TPB, incarnation=3, sequence=1)
+  c.push(merged)
+  c.push(helpers.make_push(1, small(seed=2), core=c, steps=H, tokens=H * TPB, incarnation=4, sequence=1))
+  pending = helpers.make_push(0, small(seed=3), core=c, steps=H, tokens=H * TPB, incarnation=3, sequence=2,
+                              base_version=1)
+  c.push(pending)  # in the open round: a checkpoint does not hold it
+  state = c.state_dict()
+  restored, _ = make_core(k=2)
+  restored.load_state_dict(state)
+  # The retry of a merged push is a duplicate for the restored syncer too; that of the dropped one merges.
+  assert restored.push(merged).round == 0
+  assert restored.counters["pushes_duplicate"] == c.counters["pushes_duplicate"] + 1
+  restored.push(pending)
+  assert restored.status()["open_rounds"]["0"]["contributions"] == 1
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4, 2**31 - 1, -2**31])
+def test_learner_ids_outside_the_run_are_refused_everywhere(bad_id):
+  c, _ = make_core(num_learners=4, k=2)
+  push(c, 0, small())
+  before = frozen(c)
+  calls = [lambda: c.join(bad_id, FP), lambda: c.heartbeat(bad_id, 1.0), lambda: c.leave(bad_id),
+           lambda: push(c, bad_id, small(seed=1)), lambda: c.check_learner_id(bad_id)]
+  for call in calls:
+    with pytest.raises(Rejected, match=r"\[0, learners.num=4\)") as e:
+      call()
+    assert e.value.reason == "learner_id"
+  assert frozen(c) == before and c.counters["rejected"]["learner_id"] == len(calls)
+
+
+def test_lapsed_members_are_pruned_and_rejoin():
+  c, clock = make_core(num_learners=3, k=1, lease_s=10.0)
+  clock.t = 5.0
+  c.heartbeat(0, 1.0)
+  clock.t = 12.0  # leases of 1 and 2 lapsed: still members, not live
+  c.tick()
+  assert c.status()["member_count"] == {"total": 3, "live": 1, "shown": 3}
+  clock.t = 20.5  # a lease past the lapse: pruned (learner 0 heartbeats on)
+  c.heartbeat(0, 1.0)
+  c.tick()
+  assert sorted(c.status()["members"]) == ["0"] and c.counters["members_pruned"] == 2
+  with pytest.raises(Rejected) as e:
+    c.heartbeat(1, 1.0)
+  assert e.value.reason == "unknown_learner"  # a rejoin reason: the learner joins again
+  c.join(1, FP)
+  assert c.status()["live"] == [0, 1]
+
+
+def test_status_stays_bounded_whatever_the_membership():
+  n = 50_000
+  c, _ = make_core(num_learners=n, k=n, sizes=(8,), max_norm_ratio=0.0)
+  t0 = time.monotonic()
+  for i in range(n):
+    c.join(i, FP)
+  status = c.status()
+  size = len(json.dumps(status))
+  assert size < 64 << 10, size  # far under gRPC's 4 MiB message limit
+  assert status["member_count"] == {"total": n, "live": n, "shown": core_lib.STATUS_MEMBERS}
+  assert len(status["live"]) == core_lib.STATUS_IDS
+  assert time.monotonic() - t0 < 60
+  # Joins under ids outside the run do not even become members.
+  small_core, _ = make_core(num_learners=4)
+  for i in range(4, 4 + n):
+    with pytest.raises(Rejected):
+      small_core.join(i, FP)
+  assert small_core.status()["member_count"]["total"] == 4
