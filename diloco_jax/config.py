@@ -353,5 +353,17 @@ def save_resolved(c: ml_collections.ConfigDict, workdir: str | os.PathLike, run_
 
 
 def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved with `save_resolved` (its fingerprint matches the saved one)."""
-  return ml_collections.ConfigDict(json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text()))
+  """The config a run saved with `save_resolved` (its fingerprint matches the saved one). JSON has no
+  tuples: fields that are tuples in `base_config` (e.g. `learners.speeds`) come back as tuples."""
+  loaded = json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text())
+
+  def restore(node: dict, template) -> None:
+    for key, value in node.items():
+      want = template.get(key) if isinstance(template, ml_collections.ConfigDict) else None
+      if isinstance(value, dict):
+        restore(value, want)
+      elif isinstance(value, list) and isinstance(want, tuple):
+        node[key] = tuple(value)
+
+  restore(loaded, base_config())
+  return ml_collections.ConfigDict(loaded)

@@ -56,7 +56,7 @@ def test_push_pull_round_trip(syncer):
     assert t.join(0, FP) == {0: 0, 1: 0}
     before = core.pull(0, 0).payload
     receipt = t.push(make_push(core))
-    assert receipt == PushReceipt(fragment=0, round=0, late=False)
+    assert receipt == PushReceipt(fragment=0, round=0, late=False, version=1)  # version 1 merges it
     published = t.pull(0, 1, timeout_s=5.0)
     assert published.version == 1 and published.fragment == 0
     assert published.payload == core.pull(0, 1).payload != before
@@ -99,7 +99,7 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
     assert t.bytes_sent - sent0 == want
     assert len(push.payload) < want < len(push.payload) + 200  # 3 chunks: framing is small
     assert t.bytes_received - received0 == pb.PushResponse(
-        fragment=0, round=receipt.round, late=False).ByteSize() + frame
+        fragment=0, round=receipt.round, late=False, version=receipt.version).ByteSize() + frame
     sent1, received1 = t.bytes_sent, t.bytes_received
     published = t.pull(0, 1)
     # The server chunks at 1 MiB: one header and one data message here.

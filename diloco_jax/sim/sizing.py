@@ -3,9 +3,11 @@
     python -m diloco_jax sim sizing --config configs/b1.py --learners 8 [--step-s 1.2] [--json]
 
 The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
-fragments, their Nesterov momentum, the downlink reference (only with a lossy `outer.downlink_codec`; with
-fp32 the reference is the global fragment itself) and the cached fp32 answer to full pulls (joins,
-restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
+fragments, their Nesterov momentum, the pending sum of partial rounds (with a quorum K < M and
+`outer.scale_partial_rounds`: delayed Nesterov), the downlink references (only with a lossy
+`outer.downlink_codec`: one per version of the last `outer.downlink_history`, plus a spare when it keeps
+more than one; with fp32 the reference is the global fragment itself) and the cached fp32 answer to full
+pulls (joins, restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
 has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
 `fragments.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
 fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
@@ -47,20 +49,25 @@ def fragment_sizes(config) -> tuple[int, ...]:
 
 
 def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
-                  max_in_flight: int) -> dict[str, int]:
-  """Bytes of the syncer's memory by part, and `total` (the peak estimate); see the module docstring."""
+                  max_in_flight: int, downlink_history: int = 1, partial_rounds: bool = False) -> dict[str, int]:
+  """Bytes of the syncer's memory by part, and `total` (the peak estimate); see the module docstring.
+  `partial_rounds`: rounds may hold part of the learners' work (K < M with scale_partial_rounds)."""
   model_bytes = 4 * sum(sizes)
   largest = 4 * max(sizes)
   delta_downlink = downlink_codec != "fp32"
-  vectors = 3 if delta_downlink else 2  # global, momentum (+ reference): what a checkpoint holds
+  references = downlink_history + (downlink_history > 1) if delta_downlink else 0
+  # What a checkpoint holds: global, momentum (+ the latest reference, + the pending sum).
+  vectors = 2 + delta_downlink + partial_rounds
   waiting = learners * min(max_in_flight, len(sizes))
   parts = {
       "process": PROCESS_BYTES,
       "global": model_bytes,
       "momentum": model_bytes,
-      "reference": model_bytes if delta_downlink else 0,
+      "pending": model_bytes if partial_rounds else 0,
+      "reference": references * model_bytes,
       "full_answer": model_bytes,
-      "latest_deltas": sum(codec_lib.encoded_size(n, downlink_codec, block) for n in sizes) if delta_downlink else 0,
+      "latest_deltas": downlink_history * sum(codec_lib.encoded_size(n, downlink_codec, block) for n in sizes)
+                       if delta_downlink else 0,
       "open_rounds": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "pushes_receiving": waiting * codec_lib.encoded_size(max(sizes), codec, block),
       "checkpoint_transient": CHECKPOINT_COPIES * vectors * model_bytes,
@@ -68,11 +75,12 @@ def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, bloc
       "resume_transient": RESUME_COPIES * vectors * model_bytes,
       "start_transient": START_COPIES * model_bytes,
   }
-  resident = sum(parts[k] for k in ("process", "global", "momentum", "reference", "full_answer", "latest_deltas"))
+  resident = sum(parts[k] for k in ("process", "global", "momentum", "pending", "reference", "full_answer",
+                                    "latest_deltas"))
   serving = parts["open_rounds"] + parts["pushes_receiving"] + parts["checkpoint_transient"] + parts["merge_transient"]
   # Resume and start happen before any learner pushes: their transients do not meet open rounds.
   parts["total"] = resident + max(serving, parts["resume_transient"], parts["start_transient"])
-  parts["checkpoint_bytes"] = vectors * model_bytes + parts["latest_deltas"]
+  parts["checkpoint_bytes"] = vectors * model_bytes + parts["latest_deltas"] // downlink_history
   return parts
 
 
@@ -83,9 +91,12 @@ def syncer_memory_bytes(config, learners: int | None = None) -> int:
 
 def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
-  return syncer_memory(sizes, learners or config.learners.num, codec=o.codec,
-                       downlink_codec=o.get("downlink_codec", "fp32"), block=o.codec_block,
-                       max_in_flight=_in_flight(config))
+  learners = learners or config.learners.num
+  quorum = o.min_quorum or learners
+  return syncer_memory(sizes, learners, codec=o.codec, downlink_codec=o.get("downlink_codec", "fp32"),
+                       block=o.codec_block, max_in_flight=_in_flight(config),
+                       downlink_history=o.get("downlink_history", 0) or 2 * learners,
+                       partial_rounds=bool(o.get("scale_partial_rounds", False)) and quorum < learners)
 
 
 def _in_flight(config) -> int:
@@ -153,7 +164,8 @@ def format_sizing(s: dict, config) -> str:
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),
-                    ("momentum", "Nesterov momentum (fp32)"), ("reference", "downlink reference (fp32)"),
+                    ("momentum", "Nesterov momentum (fp32)"), ("pending", "pending partial rounds (fp32)"),
+                    ("reference", "downlink references (fp32)"),
                     ("full_answer", "cached full answer (fp32)"), ("latest_deltas", "latest downlink deltas"),
                     ("open_rounds", "open rounds (decoded contributions)"),
                     ("pushes_receiving", "pushes being received"),

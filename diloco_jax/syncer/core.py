@@ -61,7 +61,7 @@ changes nothing else.
 Merge safety (nothing a single push claims or sends can dominate a merge or poison the global):
 * Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
   whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
-  per-learner batch tokens of one inner step): "overclaim". The merge weight then counts at most one
+  largest learner's batch tokens of one inner step): "overclaim". The merge weight then counts at most one
   schedule period: tokens and steps enter `outer.raw_weights` capped at `sync_every` steps (and their
   tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
   more than an honest learner's full period.
@@ -142,7 +142,7 @@ class SyncerSettings:
   merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
   num_learners: int = 1  # learner ids lie in [0, num_learners)
   # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
-  tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
+  tokens_per_step: int = 0  # the largest learner's tokens per inner step (its share of global_batch x seq_len)
   sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
   max_push_steps: int = 0  # train.steps: no push may claim more
   max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
