@@ -25,9 +25,11 @@ T = TypeVar("T")
 
 # 64K float32 = 256 KB: a chunk and a few temporaries of its size fit a core's L2 cache.
 CHUNK_ELEMS = 1 << 16
+# Threads a syncer takes by default (`syncer.merge_threads` = 0): this host's cores, at most this many.
+DEFAULT_THREAD_LIMIT = 8
 
 
-def default_threads(limit: int = 8) -> int:
+def default_threads(limit: int = DEFAULT_THREAD_LIMIT) -> int:
   """The cores this process may run on, at most `limit`."""
   try:
     cores = len(os.sched_getaffinity(0))

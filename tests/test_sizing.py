@@ -18,6 +18,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import fragments
 from diloco_jax import model
 from diloco_jax.sim import sizing
+from diloco_jax.sim import syncer_cli
 
 REPO = helpers.REPO
 MiB = 2**20
@@ -116,6 +117,15 @@ def test_cli_prints_json_and_text():
   assert text.returncode == 0 and "syncer memory, peak estimate" in text.stdout
   bad = _cli("--config", "configs/tiny_cpu.py", "--learners", "-2")
   assert bad.returncode == 2 and "--learners" in bad.stderr
+
+
+def test_cli_sizes_a_config_whose_data_is_not_here():
+  """m150 names token shards under data/ that this checkout does not hold: sizing reads no data."""
+  assert not (REPO / "data" / "tokenizer.model").exists()
+  result = _cli("--config", "configs/m150.py", "--learners", "8", "--json")
+  assert result.returncode == 0, result.stderr
+  assert json.loads(result.stdout)["params"] == sum(sizing.fragment_sizes(
+      syncer_cli.load_config(str(REPO / "configs" / "m150.py"))))
 
 
 def _vm_kib(pid: int, field: str) -> int | None:

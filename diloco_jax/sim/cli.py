@@ -5,6 +5,7 @@ a run's machines.
              failures and mixed hardware; the paper's table and its three quorum settings
   bandwidth  the WAN bandwidth each method needs for a target compute utilization
   sizing     a config's syncer memory and disk, bytes per learner and outer period (`sim/sizing.py`)
+  syncer     the syncer's memory, ingest rate and shard count for every shipped config and several M
 
 Examples:
   python -m diloco_jax sim goodput --table
@@ -13,6 +14,7 @@ Examples:
       --mtbi-years 1e9
   python -m diloco_jax sim bandwidth --params 70e9 --step-s 2 --sites 4
   python -m diloco_jax sim sizing --config configs/b1.py --learners 8 --step-s 0.33
+  python -m diloco_jax sim syncer --learners 2,4,8 --step-s 1
 
 `python -m diloco_jax sim <name> --help` lists its flags. Progress goes to stderr; tables (or JSON with
 --json) to stdout; PNG plots to --out (default runs/sim).
@@ -28,7 +30,7 @@ from absl import flags
 from diloco_jax import cli, subcommands
 
 SIMULATORS = {"goodput": "diloco_jax.sim.goodput_cli", "bandwidth": "diloco_jax.sim.bandwidth_cli",
-              "sizing": "diloco_jax.sim.sizing"}
+              "sizing": "diloco_jax.sim.sizing", "syncer": "diloco_jax.sim.syncer_cli"}
 
 
 def progress(message: str) -> None:

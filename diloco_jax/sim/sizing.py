@@ -48,28 +48,51 @@ def fragment_sizes(config) -> tuple[int, ...]:
   return tuple(plan.size(p) for p in range(plan.num_fragments))
 
 
-def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
-                  max_in_flight: int, downlink_history: int = 1, partial_rounds: bool = False) -> dict[str, int]:
-  """Bytes of the syncer's memory by part, and `total` (the peak estimate); see the module docstring.
-  `partial_rounds`: rounds may hold part of the learners' work (K < M with scale_partial_rounds)."""
-  model_bytes = 4 * sum(sizes)
-  largest = 4 * max(sizes)
+def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int, downlink_history: int = 1,
+                    partial_rounds: bool = False) -> dict[str, int]:
+  """Bytes the syncer holds for one fragment of `n` elements (`syncer/core.py`, `syncer/downlink.py`): the
+  fp32 global and its Nesterov momentum; with `partial_rounds` (a quorum K < M whose rounds hold part of the
+  learners' work) the pending sum of the delayed Nesterov step; the downlink references (their own fp32
+  copies only with a lossy `downlink_codec`, one per version of the last `downlink_history` plus a spare
+  when that is more than one: with fp32 the reference is the global array itself) and their deltas (lossy
+  downlink only); the cached fp32 answer to full pulls; and `push`, one learner's contribution as an open
+  round buffers it (the payload as it arrived, in the uplink `codec`)."""
   delta_downlink = downlink_codec != "fp32"
   references = downlink_history + (downlink_history > 1) if delta_downlink else 0
+  return {
+      "global": 4 * n,
+      "momentum": 4 * n,
+      "pending": 4 * n if partial_rounds else 0,
+      "reference": references * 4 * n,
+      "full_answer": 4 * n,
+      "latest_delta": downlink_history * codec_lib.encoded_size(n, downlink_codec, block) if delta_downlink else 0,
+      "push": codec_lib.encoded_size(n, codec, block),
+  }
+
+
+def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
+                  max_in_flight: int, downlink_history: int = 1, partial_rounds: bool = False) -> dict[str, int]:
+  """Bytes of the memory of a syncer process that owns fragments of `sizes` elements, by part, and `total`
+  (the peak estimate); see the module docstring. `downlink_history`, `partial_rounds`: `fragment_memory`."""
+  held = [fragment_memory(n, codec=codec, downlink_codec=downlink_codec, block=block,
+                          downlink_history=downlink_history, partial_rounds=partial_rounds) for n in sizes]
+  total_of = lambda key: sum(f[key] for f in held)
+  model_bytes = 4 * sum(sizes)
+  largest = 4 * max(sizes)
   # What a checkpoint holds: global, momentum (+ the latest reference, + the pending sum).
-  vectors = 2 + delta_downlink + partial_rounds
+  vectors = 2 + (downlink_codec != "fp32") + partial_rounds
   waiting = learners * min(max_in_flight, len(sizes))
+  largest_push = max(f["push"] for f in held)
   parts = {
       "process": PROCESS_BYTES,
-      "global": model_bytes,
-      "momentum": model_bytes,
-      "pending": model_bytes if partial_rounds else 0,
-      "reference": references * model_bytes,
-      "full_answer": model_bytes,
-      "latest_deltas": downlink_history * sum(codec_lib.encoded_size(n, downlink_codec, block) for n in sizes)
-                       if delta_downlink else 0,
-      "open_rounds": waiting * codec_lib.encoded_size(max(sizes), codec, block),
-      "pushes_receiving": waiting * codec_lib.encoded_size(max(sizes), codec, block),
+      "global": total_of("global"),
+      "momentum": total_of("momentum"),
+      "pending": total_of("pending"),
+      "reference": total_of("reference"),
+      "full_answer": total_of("full_answer"),
+      "latest_deltas": total_of("latest_delta"),
+      "open_rounds": waiting * largest_push,
+      "pushes_receiving": waiting * largest_push,
       "checkpoint_transient": CHECKPOINT_COPIES * vectors * model_bytes,
       "merge_transient": MERGE_TEMPORARIES * largest,
       "resume_transient": RESUME_COPIES * vectors * model_bytes,
@@ -92,14 +115,22 @@ def syncer_memory_bytes(config, learners: int | None = None) -> int:
 def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
   learners = learners or config.learners.num
-  quorum = o.min_quorum or learners
   return syncer_memory(sizes, learners, codec=o.codec, downlink_codec=o.get("downlink_codec", "fp32"),
-                       block=o.codec_block, max_in_flight=_in_flight(config),
-                       downlink_history=o.get("downlink_history", 0) or 2 * learners,
-                       partial_rounds=bool(o.get("scale_partial_rounds", False)) and quorum < learners)
+                       block=o.codec_block, max_in_flight=in_flight(config), **history_and_partial(config, learners))
 
 
-def _in_flight(config) -> int:
+def history_and_partial(config, learners: int) -> dict:
+  """`downlink_history` (references kept: `outer.downlink_history`, 0 = 2 M) and `partial_rounds` (rounds may
+  hold part of the learners' work: a quorum K < M with `outer.scale_partial_rounds`) of `config` with M =
+  `learners`, as `fragment_memory` takes them."""
+  o = config.outer
+  quorum = o.min_quorum or learners
+  return {"downlink_history": o.get("downlink_history", 0) or 2 * learners,
+          "partial_rounds": bool(o.get("scale_partial_rounds", False)) and quorum < learners}
+
+
+def in_flight(config) -> int:
+  """Fragments a learner of `config` may have pushed and not yet adopted (`fragments.in_flight_limit`)."""
   o = config.outer
   return fragments.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau)
 
@@ -126,7 +157,7 @@ def learner_memory(config, sizes) -> dict[str, int]:
   axes = mesh_lib.resolve_axis_sizes(mesh_lib.mesh_axes_from_config(config), config.learners.devices)
   shards = axes["fsdp"] * axes["tensor"]
   return {"state_bytes_per_chip": 16 * sum(sizes) // shards, "parameter_shards": shards,
-          "host_bytes": (_in_flight(config) + 1) * 4 * max(sizes)}
+          "host_bytes": (in_flight(config) + 1) * 4 * max(sizes)}
 
 
 def sizing(config, learners: int | None = None, step_s: float = 0.0) -> dict:
@@ -160,14 +191,14 @@ def format_sizing(s: dict, config) -> str:
   lines = [
       f"{s['params'] / 1e6:,.1f}M parameters in {len(s['fragment_sizes'])} fragments (largest "
       f"{max(s['fragment_sizes']) / 1e6:,.1f}M), {s['learners']} learners, H={s['sync_every']}, uplink "
-      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {_in_flight(config)}",
+      f"{o.codec}, downlink {o.get('downlink_codec', 'fp32')}, max_in_flight {in_flight(config)}",
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),
                     ("momentum", "Nesterov momentum (fp32)"), ("pending", "pending partial rounds (fp32)"),
                     ("reference", "downlink references (fp32)"),
                     ("full_answer", "cached full answer (fp32)"), ("latest_deltas", "latest downlink deltas"),
-                    ("open_rounds", "open rounds (decoded contributions)"),
+                    ("open_rounds", "open rounds (pushes as they arrived)"),
                     ("pushes_receiving", "pushes being received"),
                     ("checkpoint_transient", "while a checkpoint is written"),
                     ("merge_transient", "during a merge"), ("resume_transient", "while resuming (no rounds open)"),
@@ -198,7 +229,7 @@ def main(argv) -> int:
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   if fv.learners < 0 or fv["step-s"].value < 0:
     raise cli.UsageError("--learners and --step-s must be >= 0")
-  config = cli.validated(fv.config, None, learners=True)
+  config = cli.validated(fv.config, None, learners=True, data=False)  # sizing reads no data (create.sh runs it here)
   s = sizing(config, fv.learners or None, fv["step-s"].value)
   print(json.dumps(s, indent=2) if fv.json else format_sizing(s, config))
   return 0
