@@ -177,14 +177,12 @@ _PROVABLY_FINITE = float(np.finfo(np.float32).max) / 256
 class RoundResult:
   """What `apply_round` did. `nonfinite`: what would have held a non-finite value ("merged outer
   gradient", "new global fragment", "outer optimizer state"); then nothing was written. Otherwise the L2
-  norms of the new global, momentum and pending sum (float32 sums per chunk, as `chunked.norm`; 0 without
-  a pending sum). `checked`: whether a read-only check pass ran first (the inputs' norms could not prove
-  the result finite)."""
+  norms of the new global and momentum (float32 sums per chunk, as `chunked.norm`). `checked`: whether a
+  read-only check pass ran first (the inputs' norms could not prove the result finite)."""
 
   nonfinite: tuple[str, ...]
   global_norm: float = float("nan")
   momentum_norm: float = float("nan")
-  pending_norm: float = 0.0
   checked: bool = False
 
   @property
@@ -195,19 +193,17 @@ class RoundResult:
 def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence[bytes | codec.Encoded],
                 weights: Sequence[float], *, codec_name: str, block: int, lr: float, mu: float,
                 rda: bool = False, norms: Sequence[float] | None = None, scale: float = 1.0,
-                threads: int = 1, state_norms: tuple[float, ...] | None = None,
-                pending: np.ndarray | None = None, full: bool = True) -> RoundResult:
+                threads: int = 1, state_norms: tuple[float, float] | None = None,
+                opened: bool = False, full: bool = True) -> RoundResult:
   """One round's merge and outer step, in place and in one chunked pass (no fragment-sized temporary):
 
       g = scale * merge([decode(p) for p in payloads], weights, rda)
-      global_vec, momentum (, pending) <- the step of `make_outer_optimizer(lr, mu)` with gradient g
+      global_vec, momentum <- the step of `make_outer_optimizer(lr, mu)` with gradient g
 
   the same as `merge` + `outer_step` on the decoded vectors up to float32 rounding (the weights are folded
-  into the per-block scales; the step itself is `delayed_nesterov_step_`). Without `pending` the step is
-  the plain Nesterov step (a round holding a full share of work, nothing pending). With `pending` (the
-  merged gradients of earlier partial rounds since the momentum last moved, a writable float32 vector),
-  `full` says whether this round completes a full share: the momentum then moves once with pending + g
-  and pending is zeroed; else g is applied at once and added to pending. Each chunk of the fragment is decoded,
+  into the per-block scales; the step itself is `delayed_nesterov_step_`, with `opened` and `full` as
+  there: the defaults take the plain Nesterov step, a round holding a full share of work with nothing
+  pending). Each chunk of the fragment is decoded,
   weighted and summed over the contributions in the cache, then stepped; with `threads` > 1 the chunks are
   shared among that many threads, with results that do not depend on the thread count.
 
@@ -215,7 +211,7 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
   written (the result's `nonfinite` says what). The one pass writes in place only when the inputs prove
   the result finite: every |value| is at most a vector's L2 norm, so |g| <= |factor| x sum_i coeff_i
   |payload_i| and the step's values are bounded from `norms` and `state_norms` (the current L2 norms of
-  `global_vec`, `momentum` and, if given, `pending`); honest rounds are far below float32's range. Otherwise (norms not given,
+  `global_vec` and `momentum`); honest rounds are far below float32's range. Otherwise (norms not given,
   or too large) a read-only pass computes every chunk's result first and the writing pass follows only if
   all of it is finite (the same operations: the same values).
 
@@ -224,9 +220,7 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
   the payloads). `global_vec`, `momentum`: writable float32 vectors of the fragment's size.
   """
   n = global_vec.size
-  for name, arr in (("global_vec", global_vec), ("momentum", momentum), ("pending", pending)):
-    if arr is None:
-      continue
+  for name, arr in (("global_vec", global_vec), ("momentum", momentum)):
     if arr.dtype != np.float32 or arr.shape != (n,) or not arr.flags.writeable:
       raise ValueError(f"{name} must be a writable float32 vector of {n} elements")
   encs = [p if isinstance(p, codec.Encoded) else codec.parse(p, codec_name, n, block) for p in payloads]
@@ -286,56 +280,47 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
       new_momentum = buf[work + 2 * step:work + 2 * step + b - a]
       np.copyto(new_global, global_vec[a:b])
       np.copyto(new_momentum, momentum[a:b])
-      new_pending = None
-      if pending is not None:
-        new_pending = buf[work + 3 * step:work + 3 * step + b - a]
-        np.copyto(new_pending, pending[a:b])
-      delayed_nesterov_step_(new_global, new_momentum, new_pending, g, lr32, mu32, full, out=buf[:b - a])
-      state_ok = bool(np.isfinite(new_momentum).all()) and (new_pending is None or bool(np.isfinite(new_pending).all()))
-      return bool(np.isfinite(g).all()), bool(np.isfinite(new_global).all()), state_ok
+      delayed_nesterov_step_(new_global, new_momentum, g, lr32, mu32, opened=opened, full=full, out=buf[:b - a])
+      return (bool(np.isfinite(g).all()), bool(np.isfinite(new_global).all()),
+              bool(np.isfinite(new_momentum).all()))
 
   def kernel(a, b, buf):
-    """The chunk stepped in place; returns the float32 sums of squares of its new global, momentum and
-    pending sum."""
+    """The chunk stepped in place; returns the float32 sums of squares of its new global and momentum."""
     g = direction(a, b, buf)
     if factor != 1:
       g *= factor
     theta, m = global_vec[a:b], momentum[a:b]
-    pend = None if pending is None else pending[a:b]
-    delayed_nesterov_step_(theta, m, pend, g, lr32, mu32, full, out=buf[:b - a])
+    delayed_nesterov_step_(theta, m, g, lr32, mu32, opened=opened, full=full, out=buf[:b - a])
     with np.errstate(over="ignore"):  # a finite but huge result: its norm is inf (the next round checks)
-      return (float(np.dot(theta, theta)), float(np.dot(m, m)),
-              0.0 if pend is None or full else float(np.dot(pend, pend)))
+      return float(np.dot(theta, theta)), float(np.dot(m, m))
 
-  checked = not _provably_finite(coeffs, norms, factor, state_norms, lr, mu, pending is not None, full)
+  checked = not _provably_finite(coeffs, norms, factor, state_norms, lr, mu, opened, full)
   if checked:
-    ok = np.array(chunked.run(stepped, n, step, threads, work + 4 * step)).reshape(-1, 3).all(axis=0)
+    ok = np.array(chunked.run(stepped, n, step, threads, work + 3 * step)).reshape(-1, 3).all(axis=0)
     names = ("merged outer gradient", "new global fragment", "outer optimizer state")
     bad = tuple(name for name, fine in zip(names, ok) if not fine)
     if bad:
       return RoundResult(nonfinite=bad, checked=True)
-  sums = np.array(chunked.run(kernel, n, step, threads, work + step), np.float64).reshape(-1, 3).sum(axis=0)
+  sums = np.array(chunked.run(kernel, n, step, threads, work + step), np.float64).reshape(-1, 2).sum(axis=0)
   return RoundResult(nonfinite=(), global_norm=float(np.sqrt(sums[0])), momentum_norm=float(np.sqrt(sums[1])),
-                     pending_norm=float(np.sqrt(sums[2])), checked=checked)
+                     checked=checked)
 
 
-def _provably_finite(coeffs, norms, factor, state_norms, lr: float, mu: float, delayed: bool = False,
+def _provably_finite(coeffs, norms, factor, state_norms, lr: float, mu: float, opened: bool = False,
                      full: bool = True) -> bool:
   """Whether a round's every value stays below `_PROVABLY_FINITE` (see `apply_round`), by the triangle
-  inequality in float64: |g| <= G = |factor| sum_i coeff_i norm_i, with a pending sum P: |pending'| <= P +
-  G, |momentum'| <= mu |momentum| + P + G, and |global'| <= |global| + lr (G + mu |momentum'|), each
-  |vector| bounded by its L2 norm (`state_norms`: global, momentum and, for a delayed step, pending)."""
-  if norms is None or state_norms is None or (delayed and len(state_norms) < 3):
+  inequality in float64: |g| <= G = |factor| sum_i coeff_i norm_i, |momentum'| <= (mu, or 1 once
+  `opened`) |momentum| + G, and |global'| <= |global| + lr (G + mu |momentum'|) (+ lr G alone for a partial
+  round), each |vector| bounded by its L2 norm."""
+  if norms is None or state_norms is None:
     return False
-  global_norm, momentum_norm = float(state_norms[0]), float(state_norms[1])
-  pending_norm = float(state_norms[2]) if delayed else 0.0
+  global_norm, momentum_norm = (float(x) for x in state_norms)
   with np.errstate(over="ignore", invalid="ignore"):
     g = abs(float(factor)) * float(np.dot(np.abs(coeffs), norms))
-    p = pending_norm + g
-    m = abs(mu) * momentum_norm + p if full else momentum_norm
+    m = (1.0 if opened else abs(mu)) * momentum_norm + g
     update = abs(mu) * m + g if full else g
     theta = global_norm + abs(lr) * update
-  return all(np.isfinite(x) and x < _PROVABLY_FINITE for x in (g, p, m, update, theta))
+  return all(np.isfinite(x) and x < _PROVABLY_FINITE for x in (g, m, update, theta))
 
 
 def share_after(pending_share: float, share: float) -> tuple[bool, float]:
@@ -356,36 +341,33 @@ def nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarra
 
   the operations optax's `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same
   order. `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
-  delayed_nesterov_step_(global_vec, momentum, None, grad, lr, mu, True, out)
+  delayed_nesterov_step_(global_vec, momentum, grad, lr, mu, out=out)
 
 
-def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, pending: np.ndarray | None,
-                           grad: np.ndarray, lr: float, mu: float, full: bool,
-                           out: np.ndarray | None = None) -> None:
-  """The step of `make_outer_optimizer(lr, mu)` in place, in float32, in the order optax performs it:
-
-      pending None:  momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
-      full:          pending <- pending + grad;  momentum <- mu * momentum + pending;
-                     global_vec <- global_vec - lr * (grad + mu * momentum);  pending <- 0
-      not full:      pending <- pending + grad;  global_vec <- global_vec - lr * grad
-
-  `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
+def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
+                           *, opened: bool = False, full: bool = True, out: np.ndarray | None = None) -> None:
+  """The step of `make_outer_optimizer(lr, mu)` in place, in float32, with its pending sum folded into the
+  momentum vector (no extra fragment-sized buffer). A cycle of work opens with its first round, which
+  takes m <- mu m + g as the plain step does; the rounds after it in the same cycle (`opened`) add,
+  m <- m + g; so once the cycle's shares add up to a full round, m = mu m_before + sum g, the optimizer's
+  momentum. The round that completes it (`full`) steps with it, global <- global - lr (g + mu m); a
+  partial round applies its gradient alone, global <- global - lr g. The defaults (a new cycle, full) are
+  optax's `sgd(nesterov=True)` step, in the same order of operations. In between, the stored momentum is
+  the optimizer's momentum times mu plus the pending sum (`OuterState.trace`, `.pending`): what the next
+  full round needs. `out`: an optional float32 work array of grad's size (else one is allocated); `grad`
+  is kept."""
   mu, lr = np.float32(mu), np.float32(lr)
   tmp = np.empty_like(grad) if out is None else out
-  if pending is not None:
-    np.add(pending, grad, out=pending)
-    if not full:
-      np.multiply(grad, lr, out=tmp)
-      np.subtract(global_vec, tmp, out=global_vec)
-      return
-  np.multiply(momentum, mu, out=momentum)
-  np.add(momentum, grad if pending is None else pending, out=momentum)
-  np.multiply(momentum, mu, out=tmp)
-  np.add(tmp, grad, out=tmp)
+  if not opened:
+    np.multiply(momentum, mu, out=momentum)
+  np.add(momentum, grad, out=momentum)
+  if full:
+    np.multiply(momentum, mu, out=tmp)
+    np.add(tmp, grad, out=tmp)
+  else:
+    np.copyto(tmp, grad)
   np.multiply(tmp, lr, out=tmp)
   np.subtract(global_vec, tmp, out=global_vec)
-  if pending is not None:
-    pending[:] = 0
 
 
 def _cpu() -> jax.Device:

@@ -13,6 +13,7 @@ import helpers
 from diloco_jax import config as config_lib
 from diloco_jax import inprocess
 from diloco_jax import metrics as metrics_lib
+from diloco_jax import outer
 from diloco_jax.bench import hetero as bench_hetero
 from diloco_jax.learner import pace
 from diloco_jax.syncer import policy
@@ -267,3 +268,38 @@ def test_bench_hetero_simulator_row_and_lockstep():
   goals = bench_hetero.goals(result)
   assert not goals["k1grace_loss_within_1pct_of_k_all"] and not goals["downlink_within_1.5x_of_k_all"]
   json.dumps(bench_hetero.goals(result))
+
+
+def test_core_partial_rounds_move_the_momentum_once_per_full_share_across_a_restore():
+  """K = 1, four equal learners: four single-learner rounds (a quarter share each) step the global like
+  the optimizer's delayed Nesterov step (`outer.outer_step` with the same shares), and a checkpoint taken
+  mid-cycle (two quarters in) restores it exactly: the rest of the cycle lands the same globals."""
+  size, lr, mu = 4096, 0.7, 0.9
+  kw = dict(k=1, lr=lr, momentum=mu, initial="linspace", max_grace_s=0.0, lease_s=100.0,
+            scale_partial_rounds=True, num_learners=4)
+  core = helpers.make_core((size,), clock=helpers.FakeClock(), **kw)
+  for i in range(4):
+    core.join(i, helpers.FP)
+  tx = outer.make_outer_optimizer(lr, mu)
+  theta = np.linspace(-1, 1, size, dtype=np.float32)
+  state = outer.init_outer_state(tx, theta)
+  rng = np.random.default_rng(7)
+  deltas = [rng.standard_normal(size).astype(np.float32) * 0.01 for _ in range(4)]
+  restored = None
+  for i, d in enumerate(deltas):
+    core.push(helpers.make_push(i, d, core=core, base_version=0, tokens=100, steps=10))
+    theta, state = outer.outer_step(tx, theta, state, d * np.float32(0.25), 0.25)
+    np.testing.assert_allclose(core.global_fragments()[0], theta, rtol=1e-5, atol=1e-6)
+    if i == 1:
+      restored = helpers.make_core((size,), clock=helpers.FakeClock(), **kw)
+      restored.load_state_dict(core.state_dict())
+      for j in range(4):
+        restored.join(j, helpers.FP)
+    elif i > 1:
+      restored.push(helpers.make_push(i, d, core=restored, base_version=0, tokens=100, steps=10))
+  np.testing.assert_array_equal(restored.global_fragments()[0], core.global_fragments()[0])
+  np.testing.assert_array_equal(restored.state_dict()["opt_states"][0], core.state_dict()["opt_states"][0])
+  # The cycle closed on the 4th quarter: the momentum vector is the optimizer's momentum again.
+  np.testing.assert_allclose(core.state_dict()["opt_states"][0], state.trace, rtol=1e-5, atol=1e-7)
+  records = core.drain_decisions()
+  assert [r["share"] for r in records] == pytest.approx([0.25] * 4)

@@ -29,20 +29,19 @@ def _config(name: str):
 
 @pytest.fixture(scope="module")
 def tiny():
-  # tiny_cpu's syncer with one downlink reference and no pending sum (K = M's memory): the figures below
-  # by hand; its shipped K = 1 and downlink history in `test_tiny_cpu_quorum_and_history_by_hand`.
-  return dataclasses.replace(syncer_cli.setup_of(_config("tiny_cpu")), downlink_history=1, partial_rounds=False)
+  # tiny_cpu's syncer with one downlink reference: the figures below by hand; its shipped downlink history
+  # in `test_tiny_cpu_downlink_history_by_hand`.
+  return dataclasses.replace(syncer_cli.setup_of(_config("tiny_cpu")), downlink_history=1)
 
 
-def test_tiny_cpu_quorum_and_history_by_hand():
+def test_tiny_cpu_downlink_history_by_hand():
   shipped = syncer_cli.setup_of(_config("tiny_cpu"))
-  # K = 1 < M = 4 with partial rounds: a pending sum per fragment; int4 downlink, history 2 M = 8: eight
-  # references and a spare, eight deltas.
-  assert (shipped.downlink_history, shipped.partial_rounds) == (8, True)
+  # int4 downlink, history 2 M = 8: eight references and a spare, eight deltas; a checkpoint keeps the latest.
+  assert shipped.downlink_history == 8
   f0 = shipped.fragment_memory(65_664)
-  assert (f0["pending"], f0["reference"], f0["latest_delta"]) == (262_656, 9 * 262_656, 8 * 36_936)
+  assert (f0["reference"], f0["latest_delta"]) == (9 * 262_656, 8 * 36_936)
   one = shipped.memory(shipped.sizes, 4)
-  assert one["checkpoint_bytes"] == 4 * 460_032 + 36_936 + 27_756  # + the pending sums; the latest deltas
+  assert one["checkpoint_bytes"] == 3 * 460_032 + 36_936 + 27_756
 
 
 def test_tiny_cpu_by_hand(tiny):
@@ -55,8 +54,8 @@ def test_tiny_cpu_by_hand(tiny):
   # int4, 64-element blocks: 65,664 = 1,026 blocks -> 32,832 code bytes + 4,104 scale bytes = 36,936;
   # 49,344 = 771 blocks -> 24,672 + 3,084 = 27,756.
   f0, f1 = (tiny.fragment_memory(n) for n in tiny.sizes)
-  assert f0 == {"global": 262_656, "momentum": 262_656, "pending": 0, "reference": 262_656,
-                "full_answer": 262_656, "latest_delta": 36_936, "push": 36_936}
+  assert f0 == {"global": 262_656, "momentum": 262_656, "reference": 262_656, "full_answer": 262_656,
+                "latest_delta": 36_936, "push": 36_936}
   assert (f1["global"], f1["reference"], f1["latest_delta"], f1["push"]) == (197_376, 197_376, 27_756, 27_756)
   # One process, M = 4: resident = 4 vectors x 460,032 + both deltas (64,692); open rounds and pushes being
   # received: 4 learners x 2 in flight x 36,936 each; checkpoint copies 2 x 3 vectors x 460,032.
@@ -119,8 +118,7 @@ def test_shard_count_is_monotone_on_b12():
   assert by_step == sorted(by_step) and by_step[0] == 1 and by_step[-1] == math.inf and len(set(by_step)) >= 3
   # More learners: more shards for memory (open rounds and checkpoint copies per shard) and for the rate.
   ms = [1, 2, 4, 8, 16, 64]
-  # (a 384 GB host: b12's shipped K = 1 keeps a pending sum per fragment, one model more than K = M)
-  mem = [_count(syncer.shards_needed(b12, m, 1.0, rate, 384 * 10**9)["memory"]) for m in ms]
+  mem = [_count(syncer.shards_needed(b12, m, 1.0, rate, host)["memory"]) for m in ms]
   assert mem == sorted(mem) and len(set(mem)) >= 3
   both = [_count(syncer.shards_needed(b12, m, 0.1, rate, host)["shards"]) for m in ms]
   assert both == sorted(both)
@@ -146,10 +144,10 @@ def test_cli_json_and_table(capsys):
   assert rc == 0 and [r["learners"] for r in rows] == [2, 4]
   r = rows[1]
   assert r["ingest_params_per_s"] == pytest.approx(92_006.4)
-  # tiny_cpu as shipped (K = 1, int4 downlink of history 8): resident 13 vectors of 460,032 (global,
-  # momentum, pending, 9 references, full answer) + 8 x both deltas (64,692); open rounds and pushes being
-  # received 2 x 295,488; checkpoint copies 2 x 4 vectors (global, momentum, reference, pending).
-  assert r["memory_one_process"]["total"] == P + 13 * 460_032 + 8 * 64_692 + 590_976 + 2 * 4 * 460_032
+  # tiny_cpu as shipped (int4 downlink of history 2 M = 8): resident 12 vectors of 460,032 (global,
+  # momentum, 9 references, full answer) + 8 x both deltas (64,692); open rounds and pushes being received
+  # 2 x 295,488; checkpoint copies 2 x 3 vectors (global, momentum, reference).
+  assert r["memory_one_process"]["total"] == P + 12 * 460_032 + 8 * 64_692 + 590_976 + 2 * 3 * 460_032
   shipped = syncer_cli.setup_of(_config("tiny_cpu"))
   assert r["at_shards"]["per_shard"] == max(x["memory"]["total"] for x in syncer.shard_layout(shipped, 4, 2, 0.5))
   assert r["merge_rate_per_core"] == syncer.measured_merge_rate("int4")

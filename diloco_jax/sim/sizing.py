@@ -3,8 +3,8 @@
     python -m diloco_jax sim sizing --config configs/b1.py --learners 8 [--step-s 1.2] [--json]
 
 The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
-fragments, their Nesterov momentum, the pending sum of partial rounds (with a quorum K < M and
-`outer.scale_partial_rounds`: delayed Nesterov), the downlink references (only with a lossy
+fragments, their Nesterov momentum (which also holds the pending sum of partial rounds under a quorum
+K < M: no extra vector), the downlink references (only with a lossy
 `outer.downlink_codec`: one per version of the last `outer.downlink_history`, plus a spare when it keeps
 more than one; with fp32 the reference is the global fragment itself) and the cached fp32 answer to full
 pulls (joins, restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
@@ -48,11 +48,10 @@ def fragment_sizes(config) -> tuple[int, ...]:
   return tuple(plan.size(p) for p in range(plan.num_fragments))
 
 
-def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int, downlink_history: int = 1,
-                    partial_rounds: bool = False) -> dict[str, int]:
+def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int,
+                    downlink_history: int = 1) -> dict[str, int]:
   """Bytes the syncer holds for one fragment of `n` elements (`syncer/core.py`, `syncer/downlink.py`): the
-  fp32 global and its Nesterov momentum; with `partial_rounds` (a quorum K < M whose rounds hold part of the
-  learners' work) the pending sum of the delayed Nesterov step; the downlink references (their own fp32
+  fp32 global and its Nesterov momentum; the downlink references (their own fp32
   copies only with a lossy `downlink_codec`, one per version of the last `downlink_history` plus a spare
   when that is more than one: with fp32 the reference is the global array itself) and their deltas (lossy
   downlink only); the cached fp32 answer to full pulls; and `push`, one learner's contribution as an open
@@ -62,7 +61,6 @@ def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int, down
   return {
       "global": 4 * n,
       "momentum": 4 * n,
-      "pending": 4 * n if partial_rounds else 0,
       "reference": references * 4 * n,
       "full_answer": 4 * n,
       "latest_delta": downlink_history * codec_lib.encoded_size(n, downlink_codec, block) if delta_downlink else 0,
@@ -71,23 +69,21 @@ def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int, down
 
 
 def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
-                  max_in_flight: int, downlink_history: int = 1, partial_rounds: bool = False) -> dict[str, int]:
+                  max_in_flight: int, downlink_history: int = 1) -> dict[str, int]:
   """Bytes of the memory of a syncer process that owns fragments of `sizes` elements, by part, and `total`
-  (the peak estimate); see the module docstring. `downlink_history`, `partial_rounds`: `fragment_memory`."""
+  (the peak estimate); see the module docstring. `downlink_history`: `fragment_memory`."""
   held = [fragment_memory(n, codec=codec, downlink_codec=downlink_codec, block=block,
-                          downlink_history=downlink_history, partial_rounds=partial_rounds) for n in sizes]
+                          downlink_history=downlink_history) for n in sizes]
   total_of = lambda key: sum(f[key] for f in held)
   model_bytes = 4 * sum(sizes)
   largest = 4 * max(sizes)
-  # What a checkpoint holds: global, momentum (+ the latest reference, + the pending sum).
-  vectors = 2 + (downlink_codec != "fp32") + partial_rounds
+  vectors = 3 if downlink_codec != "fp32" else 2  # global, momentum (+ reference): what a checkpoint holds
   waiting = learners * min(max_in_flight, len(sizes))
   largest_push = max(f["push"] for f in held)
   parts = {
       "process": PROCESS_BYTES,
       "global": total_of("global"),
       "momentum": total_of("momentum"),
-      "pending": total_of("pending"),
       "reference": total_of("reference"),
       "full_answer": total_of("full_answer"),
       "latest_deltas": total_of("latest_delta"),
@@ -98,8 +94,7 @@ def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, bloc
       "resume_transient": RESUME_COPIES * vectors * model_bytes,
       "start_transient": START_COPIES * model_bytes,
   }
-  resident = sum(parts[k] for k in ("process", "global", "momentum", "pending", "reference", "full_answer",
-                                    "latest_deltas"))
+  resident = sum(parts[k] for k in ("process", "global", "momentum", "reference", "full_answer", "latest_deltas"))
   serving = parts["open_rounds"] + parts["pushes_receiving"] + parts["checkpoint_transient"] + parts["merge_transient"]
   # Resume and start happen before any learner pushes: their transients do not meet open rounds.
   parts["total"] = resident + max(serving, parts["resume_transient"], parts["start_transient"])
@@ -116,17 +111,13 @@ def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
   learners = learners or config.learners.num
   return syncer_memory(sizes, learners, codec=o.codec, downlink_codec=o.get("downlink_codec", "fp32"),
-                       block=o.codec_block, max_in_flight=in_flight(config), **history_and_partial(config, learners))
+                       block=o.codec_block, max_in_flight=in_flight(config),
+                       downlink_history=downlink_history(config, learners))
 
 
-def history_and_partial(config, learners: int) -> dict:
-  """`downlink_history` (references kept: `outer.downlink_history`, 0 = 2 M) and `partial_rounds` (rounds may
-  hold part of the learners' work: a quorum K < M with `outer.scale_partial_rounds`) of `config` with M =
-  `learners`, as `fragment_memory` takes them."""
-  o = config.outer
-  quorum = o.min_quorum or learners
-  return {"downlink_history": o.get("downlink_history", 0) or 2 * learners,
-          "partial_rounds": bool(o.get("scale_partial_rounds", False)) and quorum < learners}
+def downlink_history(config, learners: int) -> int:
+  """Downlink references the syncer keeps per fragment: `outer.downlink_history`, 0 = 2 x `learners`."""
+  return config.outer.get("downlink_history", 0) or 2 * learners
 
 
 def in_flight(config) -> int:
@@ -195,8 +186,7 @@ def format_sizing(s: dict, config) -> str:
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),
-                    ("momentum", "Nesterov momentum (fp32)"), ("pending", "pending partial rounds (fp32)"),
-                    ("reference", "downlink references (fp32)"),
+                    ("momentum", "Nesterov momentum (fp32)"), ("reference", "downlink references (fp32)"),
                     ("full_answer", "cached full answer (fp32)"), ("latest_deltas", "latest downlink deltas"),
                     ("open_rounds", "open rounds (pushes as they arrived)"),
                     ("pushes_receiving", "pushes being received"),

@@ -35,11 +35,11 @@ by tokens when their batches differ), a learner that pushed two periods into one
 and a lone stale push keeps its discount. Contributions are held as they arrived (their payloads, checked
 at push time: checksum, finiteness and norm, none of which decodes a quantized payload), and the close
 decodes, weighs, sums and steps them in one chunked pass over the fragment (`outer.apply_round`, on
-`merge_threads` threads), updating the global, its momentum and the pending sum of partial rounds in
-place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
-based on an older version ("late") is merged with its staleness discount. The receipt of a push names the
-version that will merge it (`PushReceipt.version`): the learner waits for that one, not for any newer
-version than its base.
+`merge_threads` threads), updating the global and its momentum in place (the momentum vector also holds
+the pending sum of a cycle of partial rounds: no extra fragment-sized state). A contribution that
+arrives after its round's deadline goes into the next round (never lost); one based on an older version
+("late") is merged with its staleness discount. The receipt of a push names the version that will merge
+it (`PushReceipt.version`): the learner waits for that one, not for any newer version than its base.
 
 Decisions. Closing a round builds a record of what was decided (`decision_record`: who contributed, with
 which base, staleness, tokens and coefficient; who the grace window waited for and who arrived in it; the
@@ -72,7 +72,7 @@ Merge safety (nothing a single push claims or sends can dominate a merge or pois
   change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
   median in a tiny_cpu run is about 3 (the first full period after the lr warm-up's short ones).
 * Finiteness. A round whose merged update, new global fragment or outer-optimizer state would hold a
-  non-finite value is refused whole: nothing changes (version, global, momentum, pending sum: the in-place step writes
+  non-finite value is refused whole: nothing changes (version, global, momentum: the in-place step writes
   only a result that the norms of its inputs prove finite, or that a read-only pass found finite, see
   `outer.apply_round`), its contributions are dropped (`counters["rounds_refused"]`,
   `counters["contributions_dropped"]`, an error log line), and pulls waiting for the next version get the
@@ -351,13 +351,10 @@ class SyncerCore:
       self._globals.append(frag)
     # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
     self._momenta = [np.zeros_like(g) for g in self._globals]
-    # Delayed Nesterov (`outer.apply_round`): the merged gradients of partial rounds since the momentum last
-    # moved (allocated by the first partial round; None or all zeros when `_pending_dirty` is False), their
-    # share of a full round, and their L2 norm.
-    self._pending: list[np.ndarray | None] = [None] * settings.num_fragments
-    self._pending_dirty = [False] * settings.num_fragments
+    # Delayed Nesterov (`outer.delayed_nesterov_step_`): whether a cycle of partial rounds is open (their
+    # gradients folded into the momentum vector), and their share of a full round.
+    self._cycle_open = [False] * settings.num_fragments
     self._pending_shares = [0.0] * settings.num_fragments
-    self._pending_norms = [0.0] * settings.num_fragments
     self._versions = [0] * settings.num_fragments
     self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
     # Rounds closed when each recent version was published (a round may publish several versions, see
@@ -723,11 +720,6 @@ class SyncerCore:
     # per full share (delayed Nesterov, `outer.make_outer_optimizer`).
     share = float(np.sum(outer.merge_coefficients(raw, period, answered)))
     full, pending_share = outer.share_after(self._pending_shares[p], share)
-    pending = None
-    if self._pending_dirty[p] or not full:
-      if self._pending[p] is None:
-        self._pending[p] = np.zeros_like(self._globals[p])
-      pending = self._pending[p]
     # The fused pass normalizes its weights; the scale restores the coefficients' sum (0 for a round whose
     # pushes all claim no tokens: it moves nothing).
     moved = float(np.sum(coefficients))
@@ -736,8 +728,8 @@ class SyncerCore:
     result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
                                codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
                                norms=[c.norm for c in cs], scale=moved, threads=s.merge_threads,
-                               state_norms=(self._global_norms[p], self._momentum_norms[p], self._pending_norms[p]),
-                               pending=pending, full=full)
+                               state_norms=(self._global_norms[p], self._momentum_norms[p]),
+                               opened=self._cycle_open[p], full=full)
     if not result.applied:
       # Nothing is published: the version, the global and the optimizer state stay; the contributions are
       # dropped.
@@ -749,8 +741,7 @@ class SyncerCore:
                 " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
       return False
     self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
-    self._pending_norms[p], self._pending_shares[p], self._pending_dirty[p] = (
-        result.pending_norm, pending_share, pending is not None and not full)
+    self._pending_shares[p], self._cycle_open[p] = pending_share, not full
     first = self._versions[p] + 1
     published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
@@ -908,8 +899,8 @@ class SyncerCore:
       return {
           "fragments": [g.copy() for g in self._globals],
           "opt_states": [m.copy() for m in self._momenta],
-          # Delayed Nesterov: the pending sum of partial rounds (None when it is zero) and its share.
-          "pending": [q.copy() if dirty else None for q, dirty in zip(self._pending, self._pending_dirty)],
+          # Delayed Nesterov: an open cycle of partial rounds (folded into the momentum) and its share.
+          "cycle_open": list(self._cycle_open),
           "pending_shares": list(self._pending_shares),
           "versions": list(self._versions),
           "rounds": list(self._rounds),
@@ -939,20 +930,19 @@ class SyncerCore:
     momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
     global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
     momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
-    saved_pending = state.get("pending") or [None] * s.num_fragments  # older checkpoints: none pending
-    pending = [None if q is None else np.array(q, np.float32).reshape(-1) for q in saved_pending]
-    if len(pending) != s.num_fragments or any(q is not None and q.size != n for q, n in zip(pending, s.sizes)):
-      raise ValueError(f"checkpoint pending sums do not match the fragment sizes {list(s.sizes)}")
+    # Older checkpoints: no cycle of partial rounds open.
+    cycle_open = [bool(x) for x in state.get("cycle_open", [False] * s.num_fragments)]
     pending_shares = [float(x) for x in state.get("pending_shares", [0.0] * s.num_fragments)]
-    pending_norms = [0.0 if q is None else chunked.norm(q, s.merge_threads) for q in pending]
+    if len(cycle_open) != s.num_fragments or len(pending_shares) != s.num_fragments:
+      raise ValueError(f"checkpoint cycle state has {len(cycle_open)} / {len(pending_shares)} entries for "
+                       f"{s.num_fragments} fragments")
     versions = [int(v) for v in state["versions"]]
     downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
                                 threads=s.merge_threads, history=s.downlink_history)
     with self._lock:
       self._globals = fragments
       self._momenta = momenta
-      self._pending, self._pending_shares, self._pending_norms = pending, pending_shares, pending_norms
-      self._pending_dirty = [q is not None for q in pending]
+      self._cycle_open, self._pending_shares = cycle_open, pending_shares
       self._versions = versions
       self._downlink = downlink
       self._rounds = [int(r) for r in state["rounds"]]
