@@ -29,6 +29,10 @@ def get_config():
   c.train.steps = 160
   c.train.lr = 3e-3
   c.train.warmup_steps = 30
+  # Tuned for both runs alike (docs/benchmarks.md): b1 0.8 lowers data-parallel's eval loss at 160 steps
+  # from 1.76 to 1.68 and Decoupled DiLoCo's from 2.03 to 1.93; the learners use these settings as they
+  # are (learners.inner unset), the rule the sweep found.
+  c.train.b1 = 0.8
   c.train.log_every = 20
   c.train.eval_every = 40
   c.learners.num = 4

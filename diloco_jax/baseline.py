@@ -24,6 +24,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax import data as data_lib
 from diloco_jax import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
@@ -31,12 +32,22 @@ from diloco_jax import plot as plot_lib
 from diloco_jax import trainer as trainer_lib
 
 
+def make_trainer(config, workdir: str | None) -> trainer_lib.MeshTrainer:
+  """The baseline's trainer: one mesh of all (or `mesh.num_devices`) devices, the whole global batch, read
+  in `data.baseline_order`."""
+  devices = jax.devices()[: config.mesh.num_devices or None]
+  batches = data_lib.baseline_iterator(
+      config.data, num_learners=config.learners.num, seed=config.seed,
+      batches=[config_lib.learner_batch(config, k) for k in range(config.learners.num)])
+  return trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch,
+                                 data_iterator=batches)
+
+
 def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
   """Train the data-parallel baseline; returns the summary (also written to <workdir>/summary.json). With
   `export`, the final parameters go to `<workdir>/model`, as a Decoupled DiLoCo run's global model does."""
-  devices = jax.devices()[: config.mesh.num_devices or None]
   t0 = time.perf_counter()
-  trainer = trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch)
+  trainer = make_trainer(config, workdir)
   resumed = trainer.restore()
   workers = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
   params = trainer.num_params

@@ -13,11 +13,18 @@ import os
 import pathlib
 
 import ml_collections
+from ml_collections import config_dict
 
 from diloco_jax import mesh as mesh_lib
 from diloco_jax.codec import CODECS
 from diloco_jax.fragments import PLANS
 from diloco_jax.outer import MERGE_RULES
+
+OPTIMIZERS = ("adamw", "sgd")
+BASELINE_ORDERS = ("learner_shards", "shuffled")
+# The fields of `train` that make the inner optimizer; `learners.inner` may override each for the learners.
+INNER_FIELDS = {"optimizer": str, "lr": float, "warmup_steps": int, "min_lr_ratio": float,
+                "weight_decay": float, "b1": float, "b2": float, "eps": float, "grad_clip": float}
 
 
 class ConfigError(ValueError):
@@ -53,16 +60,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.05  # of files, held out for eval (file-level split)
   c.data.eval_batches = 4
   c.data.max_bytes = 0  # cap on corpus bytes read (0 = no cap); keeps tests fast
+  # The baseline's batch at step s: "learner_shards" = the M learners' batches of step s side by side (both
+  # runs train on the same tokens in the same order); "shuffled" = one shuffle of all windows.
+  c.data.baseline_order = "learner_shards"
 
   c.train = ml_collections.ConfigDict()  # the inner optimizer and the loop
   c.train.steps = 100
+  c.train.optimizer = "adamw"  # "sgd": plain SGD with the same schedule and decay (pins identities in tests)
   c.train.lr = 3e-3
   c.train.warmup_steps = 10
   c.train.min_lr_ratio = 0.1
   c.train.weight_decay = 0.1
   c.train.b1 = 0.9
   c.train.b2 = 0.95
-  c.train.grad_clip = 1.0
+  c.train.eps = 1e-8
+  c.train.grad_clip = 1.0  # global-norm clipping threshold; 0 = off
   c.train.log_every = 10
   c.train.eval_every = 50
   c.train.checkpoint_every = 0  # 0 = only at the end
@@ -85,6 +97,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners.step_s = 0.0  # a speed-1 learner's step time; 0 = the learner's own measured (median) step
   # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
   c.learners.peer_timeout_s = 60.0
+  # The learners' inner optimizer: each field of `train` listed in INNER_FIELDS; None = the rule of
+  # `learner_train()` applied to `train` and M.
+  c.learners.inner = ml_collections.ConfigDict({k: config_dict.placeholder(t) for k, t in INNER_FIELDS.items()})
 
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
@@ -190,12 +205,16 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   t = c.train
   if t.steps < 1:
     _fail("train.steps", f"must be >= 1, got {t.steps}")
-  if t.lr <= 0:
-    _fail("train.lr", f"must be > 0, got {t.lr}")
-  if not 0 <= t.warmup_steps <= t.steps:
-    _fail("train.warmup_steps", f"must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
   if t.log_every < 1 or t.eval_every < 1:
     _fail("train.log_every" if t.log_every < 1 else "train.eval_every", "must be >= 1")
+  _validate_inner(t, t.steps, lambda f: f"train.{f}")
+  if d.baseline_order not in BASELINE_ORDERS:
+    _fail("data.baseline_order", f"must be one of {BASELINE_ORDERS}, got {d.baseline_order!r}")
+  # (With learners.device_counts, the learners' own shares must divide: `_validate_learner_set`.)
+  if (d.baseline_order == "learner_shards" and c.learners.num >= 1 and not c.learners.device_counts
+      and d.global_batch % c.learners.num):
+    _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num}) "
+          "for data.baseline_order='learner_shards' (or set it to 'shuffled')")
   axes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
   fills = [k for k, v in axes.items() if v == -1]
   if len(fills) > 1:
@@ -236,6 +255,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
     if o.downlink_history < 0:
       _fail("outer.downlink_history", f"must be >= 0 (0: 2 x learners.num), got {o.downlink_history}")
+    inner = c.learners.inner
+    _validate_inner(learner_train(c), t.steps,
+                    lambda f: f"learners.inner.{f}" if inner[f] is not None else f"train.{f} (via learners.inner)")
     if not o.max_norm_ratio >= 0:
       _fail("outer.max_norm_ratio", f"must be >= 0 (0 = off), got {o.max_norm_ratio}")
     if not c.comms.shutdown_grace_s >= 0:
@@ -314,6 +336,36 @@ def learner_speed(c: ml_collections.ConfigDict, learner_id: int) -> float:
   """The emulated speed factor of learner `learner_id` (1 unless `learners.speeds` says otherwise)."""
   speeds = tuple(c.learners.speeds)
   return float(speeds[learner_id]) if speeds else 1.0
+
+
+def _validate_inner(t, steps: int, name) -> None:
+  """Checks the inner-optimizer fields of `t` (a train section); `name(field)` is the field to blame."""
+  if t.optimizer not in OPTIMIZERS:
+    _fail(name("optimizer"), f"must be one of {OPTIMIZERS}, got {t.optimizer!r}")
+  if not t.lr > 0:
+    _fail(name("lr"), f"must be > 0, got {t.lr}")
+  if not 0 <= t.warmup_steps <= steps:
+    _fail(name("warmup_steps"), f"must be in [0, train.steps={steps}], got {t.warmup_steps}")
+  for f in ("b1", "b2"):
+    if not 0.0 <= t[f] < 1.0:
+      _fail(name(f), f"must be in [0, 1), got {t[f]}")
+  if not 0.0 <= t.min_lr_ratio <= 1.0:
+    _fail(name("min_lr_ratio"), f"must be in [0, 1], got {t.min_lr_ratio}")
+  for f in ("weight_decay", "eps", "grad_clip"):
+    if not t[f] >= 0:
+      _fail(name(f), f"must be >= 0, got {t[f]}")
+
+
+def learner_train(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The learners' `train` section: `train` with the learner rule applied and `learners.inner` on top.
+
+  Every field of `learners.inner` that is not None replaces the matching `train` field as it is.
+  """
+  t = ml_collections.ConfigDict(c.train.to_dict())
+  for field, value in c.learners.inner.items():
+    if value is not None:
+      t[field] = value
+  return t
 
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.

@@ -436,6 +436,55 @@ def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_inde
   return iter(ds.to_iter_dataset(_READ_OPTIONS))
 
 
+class SideBySide:
+  """Batches of several iterators concatenated along the batch axis, one batch of each per step, with
+  `get_state()` / `set_state()` over all of them (a JSON-able dict, like a grain iterator's)."""
+
+  def __init__(self, iterators: list):
+    self._iterators = iterators
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batches = [next(it) for it in self._iterators]
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+  def get_state(self) -> dict:
+    return {"side_by_side": [it.get_state() for it in self._iterators]}
+
+  def set_state(self, state: dict) -> None:
+    states = state.get("side_by_side") if isinstance(state, dict) else None
+    if not isinstance(states, list) or len(states) != len(self._iterators):
+      raise ValueError(f"data iterator state does not hold {len(self._iterators)} shard states "
+                       "(a checkpoint from another data.baseline_order or learners.num?)")
+    for it, s in zip(self._iterators, states):
+      it.set_state(s)
+
+
+def baseline_iterator(data_cfg, *, num_learners: int, seed: int = 0, batches: Sequence[int] | None = None):
+  """The data-parallel baseline's train batches of `data.global_batch` sequences.
+
+  With `data.baseline_order = "learner_shards"` (the default) the batch of step s is the M learners'
+  batches of step s side by side: learner k's shard iterator (`train_iterator(..., num_shards=M,
+  shard_index=k)`) supplies the next b_k rows, b_k = global_batch / M, or `batches[k]` (the learners' own
+  batch sizes, `config.learner_batch`, when their device counts differ; they sum to global_batch). The
+  baseline then trains on exactly the tokens the Decoupled DiLoCo learners train on, in the same steps, so a
+  comparison of the two differs only in the algorithm. With "shuffled" it is one shuffle of all windows.
+  """
+  if data_cfg.baseline_order == "shuffled" or num_learners == 1:
+    return train_iterator(data_cfg, batch_size=data_cfg.global_batch, seed=seed)
+  if not batches and data_cfg.global_batch % num_learners:
+    raise ConfigError(f"config.data.global_batch: ({data_cfg.global_batch}) must divide over learners.num "
+                      f"({num_learners}) for data.baseline_order='learner_shards'")
+  sizes = list(batches) if batches else [data_cfg.global_batch // num_learners] * num_learners
+  if len(sizes) != num_learners or sum(sizes) != data_cfg.global_batch:
+    raise ConfigError(f"config.data.global_batch: the learners' batches {sizes} must be one per learner "
+                      f"({num_learners}) and sum to {data_cfg.global_batch}")
+  return SideBySide([train_iterator(data_cfg, batch_size=b, num_shards=num_learners, shard_index=k, seed=seed)
+                     for k, b in enumerate(sizes)])
+
+
 def eval_batches(data_cfg, *, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
   """Deterministic eval batches from the eval split: windows in order, cycling if the split is short.
 

@@ -38,19 +38,29 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; no weight decay on vectors (norm scales)."""
+  """The inner optimizer of `train_cfg` (`config.train`, or a learner's `config.learner_train()`).
+
+  `adamw`: AdamW with global-norm clipping (off when `grad_clip` is 0); no weight decay on vectors (norm
+  scales). `sgd`: plain SGD with the same clipping, schedule and decoupled weight decay, no momentum: its
+  update is linear in the gradient, so M learners averaged after every step are exactly data-parallel SGD.
+  """
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-  return optax.chain(
-      optax.clip_by_global_norm(train_cfg.grad_clip),
-      optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                  weight_decay=train_cfg.weight_decay, mask=decay_mask),
-  )
+  schedule = learning_rate_schedule(train_cfg)
+  clip = [optax.clip_by_global_norm(train_cfg.grad_clip)] if train_cfg.grad_clip > 0 else []
+  if train_cfg.optimizer == "sgd":
+    return optax.chain(*clip, optax.add_decayed_weights(train_cfg.weight_decay, decay_mask),
+                       optax.scale_by_learning_rate(schedule))
+  return optax.chain(*clip, optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
+                                        weight_decay=train_cfg.weight_decay, mask=decay_mask))
 
 
-def init_state(config, mesh):
-  """(graphdef, state, state_shardings): parameters and optimizer state born sharded on `mesh`."""
+def init_state(config, mesh, train_cfg=None):
+  """(graphdef, state, state_shardings): parameters and optimizer state born sharded on `mesh`.
+
+  `train_cfg`: the optimizer's section (default `config.train`; learners pass `config.learner_train()`).
+  """
   graphdef, params = model_lib.init_params(config.model, mesh, config.seed)
-  tx = make_optimizer(config.train)
+  tx = make_optimizer(config.train if train_cfg is None else train_cfg)
   param_shardings = jax.tree.map(lambda p: p.sharding, params)
   replicated = mesh_lib.replicated(mesh)
 

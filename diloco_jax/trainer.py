@@ -41,23 +41,29 @@ class MeshTrainer:
     num_shards / shard_index: this replica's disjoint data shard.
     async_checkpoints: False for trainers that share a process (see `TrainCheckpointer`).
     checkpoint_dir: where checkpoints go instead of `<workdir>/checkpoints` (local or `gs://`).
+    train_cfg: the inner optimizer's settings; default `config.train` (learners: `config.learner_train()`).
+    data_iterator: this process's train batches; default its rows of this replica's shard of
+      `data.train_iterator`.
   """
 
   def __init__(self, config, devices: Sequence[jax.Device], workdir: str | os.PathLike | None, *,
                batch_size: int, num_shards: int = 1, shard_index: int = 0, async_checkpoints: bool = True,
-               checkpoint_dir: str | os.PathLike | None = None):
+               checkpoint_dir: str | os.PathLike | None = None, train_cfg=None, data_iterator=None):
     self.config = config
+    self.train_cfg = config.train if train_cfg is None else train_cfg
     self.mesh = mesh_lib.make_mesh(devices, mesh_lib.mesh_axes_from_config(config))
-    self.graphdef, self.state, self.shardings = inner.init_state(config, self.mesh)
-    self.step_fn = inner.make_inner_step(self.graphdef, config.train, self.mesh, self.shardings)
+    self.graphdef, self.state, self.shardings = inner.init_state(config, self.mesh, self.train_cfg)
+    self.step_fn = inner.make_inner_step(self.graphdef, self.train_cfg, self.mesh, self.shardings)
     self.eval_fn = inner.make_eval_step(self.graphdef, self.mesh, self.shardings.params)
     self.batch_size = batch_size
     # This process's rows of every batch: all of them unless the mesh spans several processes.
     self.rows = mesh_lib.process_rows(self.mesh, batch_size)
     rows = self.rows[1] - self.rows[0]
-    self.data = data_lib.train_iterator(config.data, batch_size=batch_size, num_shards=num_shards,
-                                        shard_index=shard_index, seed=config.seed,
-                                        part=self.rows[0] // rows, num_parts=batch_size // rows)
+    if data_iterator is None:
+      data_iterator = data_lib.train_iterator(config.data, batch_size=batch_size, num_shards=num_shards,
+                                              shard_index=shard_index, seed=config.seed,
+                                              part=self.rows[0] // rows, num_parts=batch_size // rows)
+    self.data = data_iterator
     self._eval_batches = None
     self.step = 0  # host copy of state.step: reading the device copy would stall the dispatch queue
     self.tokens = 0

@@ -5,7 +5,6 @@ import numpy as np
 
 from diloco_jax import baseline
 from diloco_jax import metrics
-from diloco_jax import trainer as trainer_lib
 
 
 def test_tiny_baseline_loss_falls(tiny_config, tmp_path):
@@ -24,7 +23,7 @@ def test_tiny_baseline_loss_falls(tiny_config, tmp_path):
 
 
 def _final_params(config, workdir):
-  t = trainer_lib.MeshTrainer(config, jax.devices(), str(workdir), batch_size=config.data.global_batch)
+  t = baseline.make_trainer(config, str(workdir))
   t.restore()
   params = jax.tree.map(np.asarray, t.state.params)
   step = t.step
@@ -40,7 +39,7 @@ def test_resume_equals_straight_run(tiny_config, tmp_path):
   # Half the run with the same config (the lr schedule depends on train.steps), checkpoint, stop; then a
   # fresh process-like start on the same workdir resumes and finishes.
   resumed_dir = tmp_path / "resumed"
-  t = trainer_lib.MeshTrainer(tiny_config, jax.devices(), str(resumed_dir), batch_size=tiny_config.data.global_batch)
+  t = baseline.make_trainer(tiny_config, str(resumed_dir))
   for _ in range(6):
     t.train_step()
   t.save()

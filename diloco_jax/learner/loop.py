@@ -138,7 +138,7 @@ class Learner:
     self.trainer = trainer_lib.MeshTrainer(
         config, devices, workdir, batch_size=config_lib.learner_batch(config, learner_id % num_learners),
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
-        checkpoint_dir=checkpoint_dir)
+        checkpoint_dir=checkpoint_dir, train_cfg=config_lib.learner_train(config))
     self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
