@@ -6,6 +6,7 @@ Commands:
   syncer    The gRPC syncer service.
   learner   One learner process talking to a gRPC syncer.
   local     A syncer, the global model's evaluator and N learner processes on this machine.
+  chaos     The same under a seeded fault schedule (kills, stops, cut-offs, syncer restarts), with a report.
   evaluator The global model's eval curve, from a gRPC syncer (an observer: it never joins).
   status    What a running syncer is doing: learners, fragments, counters, goodput (--watch).
   plot      PNGs of runs' metrics: eval loss vs tokens, step rates, versions, bytes on the wire.
@@ -33,6 +34,7 @@ COMMANDS = {
     "evaluator": "diloco_jax.evaluator.process",
     "status": "diloco_jax.status",
     "plot": "diloco_jax.plot",
+    "chaos": "diloco_jax.chaos",
     "sim": "diloco_jax.sim.cli",
     "bench": "diloco_jax.bench.cli",
     "tokenizer": "diloco_jax.tokenizer",

@@ -79,6 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 50
   c.train.checkpoint_every = 0  # 0 = only at the end
   c.train.keep_checkpoints = 2
+  # Each inner step takes at least this long (the loop sleeps the rest): emulates an accelerator of a fixed
+  # speed, so that on a shared CPU a stopped or dead learner does not speed up the others (chaos and
+  # goodput measurements). 0 = as fast as the devices go.
+  c.train.min_step_s = 0.0
 
   c.mesh = ml_collections.ConfigDict()  # axis sizes of one learner's mesh (or the baseline's); one -1 fill
   c.mesh.data = -1
@@ -127,16 +131,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.downlink_history = 0  # references kept per fragment for delta downlinks; 0 = 2 x learners.num
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
   c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
+  # A learner whose inner-step counter has not moved for this long (plus one of its steps), unless it
+  # waits on the syncer, stops counting toward quorums until it moves again. 0 = outer.max_grace_s (at
+  # least 0.5 s): a stopped learner is waited for no longer than a straggler. Heartbeats go out every
+  # third of it (at most every second, at least four per lease).
+  c.outer.stall_s = 0.0
 
   c.comms = ml_collections.ConfigDict()  # a learner process's gRPC client (learner/process.py)
   c.comms.chunk_kb = 1024  # Push chunk size (must stay under syncer.max_message_mb)
   c.comms.unreachable_deadline_s = 300.0  # keep retrying an unreachable syncer this long, then fail
   c.comms.backoff_s = 0.1  # first retry delay; doubles up to max_backoff_s
-  c.comms.max_backoff_s = 5.0
+  c.comms.max_backoff_s = 2.0  # bounds how long after a syncer restart a learner reaches it
   c.comms.call_timeout_s = 120.0  # deadline of one call attempt (a Pull adds its long-poll time)
   c.comms.wan_gbps = 0.0  # emulated WAN bandwidth per direction (0 = no cap)
   c.comms.wan_latency_ms = 0.0  # emulated one-way latency (0 = none)
   c.comms.shutdown_grace_s = 30.0  # after SIGTERM/SIGINT the final flush gets this long, then it is abandoned
+  c.comms.cutoff_file = ""  # chaos testing: the link is down while this file exists ({learner}: the id)
 
   c.syncer = ml_collections.ConfigDict()  # the gRPC syncer process (syncer/server.py)
   c.syncer.chunk_kb = 1024  # Pull chunk size
@@ -205,6 +215,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   t = c.train
   if t.steps < 1:
     _fail("train.steps", f"must be >= 1, got {t.steps}")
+  if t.min_step_s < 0:
+    _fail("train.min_step_s", f"must be >= 0, got {t.min_step_s}")
   if t.log_every < 1 or t.eval_every < 1:
     _fail("train.log_every" if t.log_every < 1 else "train.eval_every", "must be >= 1")
   _validate_inner(t, t.steps, lambda f: f"train.{f}")
@@ -249,6 +261,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
       _fail("outer.min_quorum", f"must be in [0 (all), learners.num={c.learners.num}], got {o.min_quorum}")
+    if o.stall_s < 0:
+      _fail("outer.stall_s", f"must be >= 0 (0 = outer.max_grace_s), got {o.stall_s}")
+    if o.lease_s <= 0:
+      _fail("outer.lease_s", f"must be > 0, got {o.lease_s}")
     if o.max_in_flight < 0:
       _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
@@ -366,6 +382,19 @@ def learner_train(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if value is not None:
       t[field] = value
   return t
+
+
+def stall_bound_s(config) -> float:
+  """`outer.stall_s`, or with 0 (the default) the grace window's cap `outer.max_grace_s` (at least 0.5 s):
+  a stopped learner is waited for no longer than a straggler would be."""
+  o = config.outer
+  return float(o.stall_s) if o.stall_s > 0 else max(float(o.max_grace_s), 0.5)
+
+
+def heartbeat_interval_s(config) -> float:
+  """How often a learner heartbeats: a third of the stall bound (so that a learner making progress is
+  never taken for a stopped one), at most every second and at least four times per lease."""
+  return max(min(1.0, float(config.outer.lease_s) / 4, stall_bound_s(config) / 3), 0.02)
 
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.

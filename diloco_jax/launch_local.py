@@ -242,33 +242,41 @@ class Launcher:
     del frame
     self.signals.append(signum)
 
-  def start_syncer(self) -> None:
+  def start_syncer(self, port: int = 0, wait: bool = True) -> None:
+    """Start the syncer on `port` (0: any free port; a restart passes the port it had) and, with `wait`,
+    wait until it serves (else poll `syncer_serving()`)."""
     sdir = self.workdir / "syncer"
     sdir.mkdir(parents=True, exist_ok=True)
-    port_file = sdir / "syncer.port"
-    port_file.unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
-    self.syncer = Child("syncer", self._command("syncer", "--workdir", str(sdir), "--bind", "127.0.0.1:0",
+    (sdir / "syncer.port").unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
+    self.syncer = Child("syncer", self._command("syncer", "--workdir", str(sdir), "--bind", f"127.0.0.1:{port}",
                                                 "--token-file", str(self.workdir / "token")),
                         child_env(1), self.workdir / "logs" / "syncer.log")
     deadline = time.monotonic() + self.start_timeout_s
-    while not self.signals:
-      text = port_file.read_text().strip() if port_file.exists() else ""
-      if text.isdigit():
-        self.port = int(text)
-        return
-      if self.syncer.poll() is not None:
-        raise ChildFailed(self.syncer)
+    while wait and not self.signals and not self.syncer_serving():
       if time.monotonic() > deadline:
         raise RuntimeError(f"the syncer wrote no port file in {self.start_timeout_s:.0f}s; see "
                            f"{self.syncer.log_path}")
       time.sleep(0.2)
 
+  def syncer_serving(self) -> bool:
+    """Whether the syncer wrote its port file (it serves; `port` is set). Raises ChildFailed if it died."""
+    port_file = self.workdir / "syncer" / "syncer.port"
+    text = port_file.read_text().strip() if port_file.exists() else ""
+    if text.isdigit():
+      self.port = int(text)
+      return True
+    if self.syncer.poll() is not None:
+      raise ChildFailed(self.syncer)
+    return False
+
   def start_learners(self) -> None:
     for i in range(self.config.learners.num):
       self.start_learner(i)
 
-  def start_learner(self, i: int) -> list[Child]:
-    """Starts learner i: one process, or `hosts_per_learner` processes joined by jax.distributed."""
+  def start_learner(self, i: int, add: bool = True) -> list[Child]:
+    """Starts (or restarts: same id, same workdir, so it resumes from its checkpoint) learner i: one
+    process, or `hosts_per_learner` processes joined by jax.distributed; `add`: append them to `learners`
+    (a restart replaces the old ones itself)."""
     h = self.hosts_per_learner
     devices = config_lib.learner_devices(self.config, i)
     ldir = self.workdir / f"learner_{i}"
@@ -283,7 +291,8 @@ class Launcher:
                         argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
                         child_env(devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
                   for p in range(h)]
-    self.learners.extend(children)
+    if add:
+      self.learners.extend(children)
     return children
 
   def start_evaluator(self) -> None:

@@ -3,7 +3,8 @@
 Both sides import this module and nothing of each other:
 
 * the messages: `Push` (a learner's outer gradient for one fragment), `PushReceipt`, `Published` (a global
-  fragment as served, full or delta);
+  fragment as served, full or delta), `Versions` (what a join answers: versions, epoch and the epoch
+  history a learner recovers with after a syncer restart, see docs/operations.md "Recovery");
 * refusals: `Rejected` with one of `REASONS`;
 * chunking: payloads travel as offset-tagged chunks (`chunks`), reassembled by `Reassembler` on the
   receiving end (the gRPC service for pushes, the gRPC client for pulls);
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pathlib
 import sys
@@ -30,9 +32,10 @@ log = logging.getLogger(__name__)
 #   learner_id: the id is outside [0, learners.num)      overclaim: steps or tokens the schedule cannot give
 #   outlier: the outer gradient's norm is far above the fragment's recent ones
 #   key_conflict: an idempotency key seen before, on a different payload
+#   epoch: base_version is numbered by another syncer lifetime (it restarted): the learner recovers first
 REASONS = ("unknown_learner", "fingerprint", "not_member", "unknown_fragment", "codec", "shape",
            "checksum", "metadata", "nonfinite", "future_version", "learner_id", "overclaim", "outlier",
-           "key_conflict")
+           "key_conflict", "epoch")
 # Rejections that mean "the syncer forgot this learner" (it restarted, or the lease lapsed): join again.
 REJOIN_REASONS = ("not_member", "unknown_learner")
 
@@ -82,14 +85,43 @@ class Push:
   # key it already accepted with the original receipt instead of merging the push again. 0: no key.
   incarnation: int = 0
   sequence: int = 0
+  # The epoch of the syncer whose numbering base_version is in (0: unspecified, taken as the current one).
+  # A syncer refuses a push based on another epoch ("epoch"): after a restart the learner recovers first.
+  base_epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class PushReceipt:
   fragment: int
-  round: int  # the round of the fragment this contribution went into
+  round: int  # the round of the fragment this contribution went into (an index into its history)
   late: bool  # base_version < the fragment's version when the push arrived
   version: int = -1  # the version whose publication merges this contribution; -1: unknown
+  epoch: int = 0  # the epoch of the syncer that accepted it (0: unknown)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+  """One syncer lifetime in the history of the global model (see docs/operations.md, "Recovery").
+
+  `start_rounds[p]`: how many rounds of fragment p the model held when this lifetime began (the restored
+  checkpoint's; 0 for the first); `version_offsets[p]`: the published version minus the rounds held,
+  constant within a lifetime (a restored syncer numbers its versions from at least the highest version
+  ever published, so versions seen by learners never go backwards).
+  """
+
+  epoch: int
+  start_rounds: tuple[int, ...]
+  version_offsets: tuple[int, ...]
+
+
+class Versions(dict):
+  """What `join` answers: {fragment: version}, plus the serving syncer's `epoch` and `history` (its
+  lifetimes, oldest first, the current one last; a tuple of `EpochRecord`)."""
+
+  def __init__(self, versions, epoch: int = 0, history: tuple[EpochRecord, ...] = ()):
+    super().__init__(versions)
+    self.epoch = epoch
+    self.history = tuple(history)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +141,41 @@ class Published:
   kind: str = "full"  # "full" | "delta"
   base_version: int = -1  # for a delta: the version whose reference it applies to; -1 for a full fragment
   epoch: int = 0  # the serving syncer's epoch (random per syncer lifetime); 0: unknown
+
+
+def kept_rounds(history: tuple[EpochRecord, ...], epoch: int, fragment: int) -> float | None:
+  """How many rounds of `fragment` from the lifetime `epoch` are still in the current global model: up to
+  the rounds the next lifetime of `history` started from (a syncer restored from a checkpoint keeps the
+  rounds up to it and loses the later ones); unlimited for the current (last) lifetime; None when `epoch`
+  is not in `history` (its rounds were all lost, or the history is too short to tell)."""
+  for k, record in enumerate(history):
+    if record.epoch == epoch:
+      return history[k + 1].start_rounds[fragment] if k + 1 < len(history) else math.inf
+  return None
+
+
+def current_version(history: tuple[EpochRecord, ...], epoch: int, version: int, fragment: int) -> int | None:
+  """The version, in the current lifetime's numbering (the last of `history`), of the global fragment that
+  was `version` in lifetime `epoch`; None when that fragment is not in the current model's history (it was
+  lost with a crash, or comes from an unknown lifetime)."""
+  if not history:
+    return None
+  for record in history:
+    if record.epoch == epoch:
+      rounds = version - record.version_offsets[fragment]
+      kept = kept_rounds(history, epoch, fragment)
+      if rounds < 0 or kept is None or rounds > kept:
+        return None
+      return rounds + history[-1].version_offsets[fragment]
+  return None
+
+
+def merged_for_good(history: tuple[EpochRecord, ...], epoch: int, round_: int, fragment: int) -> bool:
+  """Whether the contribution that lifetime `epoch` put into round `round_` of `fragment` is (or, for the
+  current lifetime, will be) in the current global model: its round closed before the lifetime that
+  followed `epoch` was restored, or `epoch` is the current lifetime."""
+  kept = kept_rounds(history, epoch, fragment)
+  return kept is not None and round_ < kept
 
 
 # ---- chunking --------------------------------------------------------------------------------------------
@@ -234,7 +301,8 @@ class Transport(Protocol):
     ...
 
   def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
-    """Enter the quorum; returns {fragment: version} of the global model."""
+    """Enter the quorum; returns {fragment: version} of the global model (a `Versions`, which also
+    carries the syncer's epoch and history, when the syncer sends them)."""
     ...
 
   def leave(self, learner_id: int) -> None:
@@ -250,8 +318,11 @@ class Transport(Protocol):
     is a delta from it when the syncer can serve one, else the full fragment."""
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
-    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,
+                blocked: bool = False) -> int:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step` (the learner's
+    inner-step counter, None: unknown) and `blocked` (waiting on the syncer) tell the syncer whether the
+    learner makes progress. Returns the syncer's epoch."""
     ...
 
   def status(self) -> dict:
@@ -278,8 +349,10 @@ class SyncerAPI(Protocol):
            have_epoch: int = 0) -> Published | None:
     ...
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
-    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,
+                blocked: bool = False) -> int:
+    """Renew the lease; `step_time_s`: recent inner-step time (0: unknown); `step`: the inner step
+    (None: unknown); `blocked`: waiting on the syncer. Returns the syncer's epoch."""
     ...
 
   def status(self) -> dict:
@@ -287,6 +360,11 @@ class SyncerAPI(Protocol):
 
   def max_payload_bytes(self) -> int:
     """The largest payload a valid push can carry: the service never buffers more for one push."""
+    ...
+
+  @property
+  def epoch(self) -> int:
+    """The syncer's epoch (random per lifetime)."""
     ...
 
   def check_learner_id(self, learner_id: int) -> None:

@@ -75,6 +75,7 @@ class MeshTrainer:
                                                            keep=config.train.keep_checkpoints,
                                                            async_save=async_checkpoints)
     self.last_metrics = None
+    self._next_step_at = 0.0  # train.min_step_s pacing
 
   @property
   def num_params(self) -> int:
@@ -103,7 +104,14 @@ class MeshTrainer:
     self.state = state
 
   def train_step(self):
-    """One inner step; returns its metrics as device arrays (not fetched)."""
+    """One inner step; returns its metrics as device arrays (not fetched). With `train.min_step_s`, paced
+    to at least that long per step (an emulated accelerator's speed)."""
+    pace = self.config.train.min_step_s
+    if pace > 0:
+      now = time.perf_counter()
+      if self._next_step_at > now:
+        time.sleep(self._next_step_at - now)
+      self._next_step_at = max(now, self._next_step_at) + pace
     batch = next(self.data)
     self.state, metrics = self.step_fn(self.state, inner.put_batch(batch["tokens"], self.mesh, self.batch_size))
     self.step += 1

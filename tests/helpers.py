@@ -192,6 +192,18 @@ class ProcessRun:
       proc.wait()
 
 
+def shipped_overrides(steps: int = 60, learners: int = 3, **extra) -> list[str]:
+  """`--config` arguments of a small multi-process run that keeps every shipped fault-tolerance default of
+  tiny_cpu (quorum, lease, grace, stall bound, retries): only the model, the data, the step count and the
+  logging are shrunk, and the global batch set to tiny_cpu's per-learner batch times `learners`."""
+  fields = {
+      "learners.num": learners, "learners.devices": 1, "data.global_batch": 4 * learners,
+      "train.steps": steps, "train.warmup_steps": 2, "train.log_every": 2, "train.eval_every": 10_000,
+      "train.checkpoint_every": 10, "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8,
+      "data.max_bytes": 60_000, "data.eval_batches": 1,
+  }
+  fields.update(extra)
+  return ["--config", "configs/tiny_cpu.py"] + [f"--config.{k}={v}" for k, v in fields.items()]
 # ---- tokenized data --------------------------------------------------------------------------------------
 
 TOKEN_VOCAB = 1000  # small enough to train in a few seconds, large enough for real merges

@@ -53,10 +53,12 @@ def make_push(core, fragment=0, learner_id=0, scale=0.01, **overrides):
 def test_push_pull_round_trip(syncer):
   core, handle = syncer
   with client(handle) as t:
-    assert t.join(0, FP) == {0: 0, 1: 0}
+    versions = t.join(0, FP)
+    assert versions == {0: 0, 1: 0} and versions.epoch == core.epoch
+    assert versions.history == core.history() and len(versions.history) == 1
     before = core.pull(0, 0).payload
     receipt = t.push(make_push(core))
-    assert receipt == PushReceipt(fragment=0, round=0, late=False, version=1)  # version 1 merges it
+    assert receipt == PushReceipt(fragment=0, round=0, late=False, epoch=core.epoch, version=1)  # v1 merges it
     published = t.pull(0, 1, timeout_s=5.0)
     assert published.version == 1 and published.fragment == 0
     assert published.payload == core.pull(0, 1).payload != before
@@ -65,9 +67,10 @@ def test_push_pull_round_trip(syncer):
     start = time.monotonic()
     assert t.pull(0, 2, timeout_s=0.3) is None
     assert 0.25 < time.monotonic() - start < 3.0
-    t.heartbeat(0, 0.25)
+    assert t.heartbeat(0, 0.25, step=7, blocked=True) == core.epoch
     status = t.status()
     assert status["versions"] == [1, 0] and status["members"]["0"]["step_time_s"] == 0.25
+    assert status["members"]["0"]["step"] == 7 and status["members"]["0"]["blocked"]
     assert status["server"]["pushes"] == 1
 
 
@@ -99,7 +102,7 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
     assert t.bytes_sent - sent0 == want
     assert len(push.payload) < want < len(push.payload) + 200  # 3 chunks: framing is small
     assert t.bytes_received - received0 == pb.PushResponse(
-        fragment=0, round=receipt.round, late=False, version=receipt.version).ByteSize() + frame
+        fragment=0, round=receipt.round, late=False, epoch=receipt.epoch, version=receipt.version).ByteSize() + frame
     sent1, received1 = t.bytes_sent, t.bytes_received
     published = t.pull(0, 1)
     # The server chunks at 1 MiB: one header and one data message here.

@@ -212,6 +212,7 @@ def test_learners_of_different_sizes_are_weighted_by_their_tokens(tiny_config, t
   c = _small(tiny_config, steps=10)
   c.learners.num, c.learners.device_counts, c.data.global_batch = 2, (1, 3), 24
   c.outer.min_quorum = 0  # every round holds both learners: their weights side by side
+  c.outer.stall_s = 60.0  # the larger learner compiles longer: still counted (not taken for a stopped one)
   config_lib.validate(c, 8, learners=True)
   summary = inprocess.run(c, str(tmp_path), quiet=True)
   assert [l["batch_size"] for l in summary["learners"]] == [6, 18]

@@ -19,6 +19,7 @@ import pytest
 from absl import flags
 
 import helpers
+from diloco_jax import chaos
 from diloco_jax import checkpoint as checkpoint_lib
 from diloco_jax import cli
 from diloco_jax import launch_local
@@ -172,6 +173,45 @@ def test_killed_process_takes_its_learner_out_and_restart_rejoins(tmp_path):
   assert status["counters"]["joins"] >= 3 and status["counters"]["leaves"] >= 2
   assert status["members"].get("0", {"left": True})["left"]
   assert run.summary(1)["stopped_by_signal"]
+
+
+def test_multi_process_learner_recovers_from_a_syncer_restart(tmp_path):
+  """Shipped fault-tolerance settings (quorum all live learners): a learner of 2 processes; the syncer is
+  killed (-9) and restarted on its port and workdir. Process 0 decides the recovery and process 1 applies
+  the same decision (a mismatch would hang their collectives): both finish, versions never go backwards,
+  and every token is merged exactly once (the work the crash lost, its own pushes and the lost merges it
+  had adopted, was pushed again as new pushes: neither dropped as a duplicate nor merged twice)."""
+  # Inner steps paced to 0.1 s (`train.min_step_s`), so that the learner is not done before the kill.
+  steps = 200
+  run = helpers.ProcessRun(tmp_path, helpers.shipped_overrides(
+      steps=steps, learners=1, **{"learners.devices": 2, "learners.peer_timeout_s": 30.0,
+                                  "train.min_step_s": 0.1}))
+  port = helpers.free_port()
+  try:
+    run.syncer(f"127.0.0.1:{port}")
+    run.group_learner(0, hosts=2)  # 2 processes x 1 device
+    wait_for(lambda: sum(run.status()["versions"]) >= 4 and run.step(0) >= 10, "a few rounds")
+    assert all(proc.poll() is None for proc in run.procs.values())
+    run.procs["syncer"].send_signal(signal.SIGKILL)
+    assert run.procs["syncer"].wait(60) == -signal.SIGKILL
+    time.sleep(1.0)  # the learner trains on, its calls retry
+    run.syncer(f"127.0.0.1:{port}")
+    run.wait_ok("learner_0_p0")
+    run.wait_ok("learner_0_p1")
+    status = run.status()
+  finally:
+    run.kill_all()
+  s0 = run.summary(0)
+  assert s0["completed"] and s0["processes"] == 2 and s0["rejected_pushes"] == [], s0
+  assert s0["recoveries"] >= 1 and status["counters"]["restarts"] == 1, s0
+  decisions = [[line[line.index("syncer restarted (epoch"):] for line in run.log(f"learner_0_p{p}").splitlines()
+                if "syncer restarted (epoch" in line] for p in range(2)]
+  assert decisions[0] and decisions[0] == decisions[1], decisions  # the same decision, applied by both
+  assert f"done at step {steps}" in run.log("learner_0_p1")
+  seen = chaos.learner_versions(tmp_path / "learner_0")
+  assert seen and chaos.monotone(seen), seen
+  assert chaos.monotone(v for _, v in chaos.commits(tmp_path / "syncer"))
+  assert status["counters"]["tokens_merged_by_fragment"] == [s0["tokens"]] * len(status["versions"]), status
 
 
 @pytest.mark.slow

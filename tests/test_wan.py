@@ -1,13 +1,15 @@
 """WAN emulation in the gRPC client: latency once per stream, and the bandwidth cap over a real service."""
 
+import threading
 import time
 
 import numpy as np
+import pytest
 
 import helpers
 from diloco_jax.syncer import service
 from diloco_jax.transports import wan as wan_lib
-from diloco_jax.transports.grpc import GrpcTransport
+from diloco_jax.transports.grpc import GrpcTransport, SyncerUnreachable
 
 TOKEN = "wan-test-token"
 
@@ -50,3 +52,29 @@ def test_wan_cap_limits_push_throughput():
       assert link.delay_s > 0
   finally:
     handle2.stop(grace=0)
+
+
+def test_cut_off_link_drops_calls_until_the_file_goes(tmp_path):
+  """While the cut-off file exists every call is lost and retried (as if the syncer were unreachable);
+  once it is removed the pending call goes through; a call still cut off at the deadline fails."""
+  core = helpers.make_core((8,))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
+  cut = tmp_path / "cut_0"
+  try:
+    link = wan_lib.WanLink(wan_lib.WanSpec(cutoff_file=str(cut)))
+    with GrpcTransport(f"127.0.0.1:{handle.port}", TOKEN, 0, wan=link, unreachable_deadline_s=30.0,
+                       max_backoff_s=0.1) as t:
+      t.join(0, helpers.FP)
+      cut.touch()
+      threading.Timer(1.0, cut.unlink).start()
+      start = time.monotonic()
+      assert t.heartbeat(0, 0.1, step=3) == core.epoch  # went through once the link came back
+      assert time.monotonic() - start >= 0.9 and t.retries >= 3
+      assert core.status()["members"]["0"]["step"] == 3
+    cut.touch()
+    with GrpcTransport(f"127.0.0.1:{handle.port}", TOKEN, 0, wan=link, unreachable_deadline_s=0.5,
+                       max_backoff_s=0.1) as t:
+      with pytest.raises(SyncerUnreachable):
+        t.join(0, helpers.FP)
+  finally:
+    handle.stop(grace=0)

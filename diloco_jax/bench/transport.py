@@ -88,8 +88,8 @@ class _BenchCore:
   def leave(self, learner_id):
     pass
 
-  def heartbeat(self, learner_id, step_time_s, step=None):
-    pass
+  def heartbeat(self, learner_id, step_time_s, step=None, blocked=False):
+    return 0
 
   def push(self, push):
     if codec_lib.checksum(push.payload) != push.checksum:

@@ -2,7 +2,14 @@
 
 `Comms.sync(...)` takes a fragment's outer gradient (a device array whose host copy is already under way)
 and returns a Future that, on background threads, brings it to the host, encodes it, pushes it, and waits
-for the global fragment that merges it. A heartbeat thread renews the learner's lease with its step time.
+for the global fragment that merges it. A heartbeat thread renews the learner's lease with its step time,
+its step counter and whether it is blocked on the syncer (so that the syncer can tell a stopped learner
+from a slow one), and notes the syncer's epoch.
+
+Restarts. Every answer names the syncer's epoch. When the comms see an epoch other than the one the
+learner's bases are named in (`epoch`), the syncer restarted: a sync in flight stops waiting for a merged
+fragment that may never come and returns `abandoned` (with the push's receipt, if the push got one), and
+`epoch_changed()` tells the learner to recover (`learner/loop.py`, docs/operations.md "Recovery").
 
 Fetches say which version's reference the learner holds (`have_version`, its base version for that
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
@@ -28,7 +35,7 @@ import time
 import numpy as np
 
 from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import REJOIN_REASONS, Published, Push, Rejected, Transport
+from diloco_jax.protocol import REJOIN_REASONS, Published, Push, PushReceipt, Rejected, Transport, Versions
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,10 @@ class SyncResult:
   kind: str = "full"
   base_version: int = -1  # for a delta: the version of the base it applies to
   epoch: int = 0  # the serving syncer's epoch: with `version`, names the reference the base becomes
+  receipt: PushReceipt | None = None  # the syncer's receipt of the push (None: not accepted)
+  # The syncer restarted (another epoch) before the merged fragment came back: no `global_vec`; the
+  # learner recovers (`learner/loop.py`).
+  abandoned: bool = False
 
 
 class Comms:
@@ -53,7 +64,7 @@ class Comms:
 
   def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
-               pull_timeout_s: float = 5.0):
+               pull_timeout_s: float = 0.5):
     self.transport = transport
     self.learner_id = learner_id
     self.fingerprint = fingerprint
@@ -61,7 +72,11 @@ class Comms:
     self.pull_timeout_s = pull_timeout_s
     # Reported by the inner loop, read by the heartbeat thread.
     self._step_times: collections.deque[float] = collections.deque(maxlen=_STEP_TIME_WINDOW)
-    self._step: int | None = None  # likewise: the inner step, shown by the syncer's status
+    self._step: int | None = None  # the inner loop's step counter, sent with heartbeats (None: unknown)
+    self._stepped = False  # a step was reported with its count (the first one compiled: not timed)
+    self._blocked = False  # the inner loop waits on the syncer
+    self._epoch = 0  # the syncer epoch the learner's bases are named in (0: none yet)
+    self._seen_epoch = 0  # the latest epoch any answer named
     self.rejected: list[str] = []
     self.incarnation = 1 + secrets.randbelow(2**63 - 1)  # idempotency keys: (learner, incarnation, sequence)
     self._sequence = itertools.count(1)
@@ -71,21 +86,56 @@ class Comms:
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight,
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
+    self._leaving = threading.Event()  # left the quorum: heartbeats stop and never rejoin
     self._heartbeat_s = heartbeat_s
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
 
   def report_step_time(self, seconds: float, step: int | None = None) -> None:
-    """The inner loop's latest step time and, if given, its step count (the next heartbeat reports it).
-    The median of the recent step times feeds the syncer's grace window and goodput estimate: robust to
-    the noise of single steps (a step that waited for the host), unlike a mean. The first step a process
-    reports with its count is left out: it compiled."""
+    """The inner loop's latest step time and, if given, its step counter (sent with heartbeats: the syncer's
+    evidence that this learner makes progress, shown by its status). The median of the recent step times
+    feeds the syncer's grace window and goodput estimate: robust to the noise of single steps (a step that
+    waited for the host), unlike a mean. The first step a process reports with its count is left out: it
+    compiled."""
     with self._lock:
-      warmup = step is not None and self._step is None
+      warmup = step is not None and not self._stepped
       if step is not None:
-        self._step = int(step)
+        self._step, self._stepped = int(step), True
       if not warmup:
         self._step_times.append(float(seconds))
+
+  def report_step(self, step: int) -> None:
+    """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
+    and is still compiling is not taken for one that makes progress."""
+    with self._lock:
+      self._step = step
+
+  def set_blocked(self, blocked: bool) -> None:
+    """The inner loop starts (True) or stops (False) waiting on the syncer: not a stopped learner."""
+    with self._lock:
+      self._blocked = blocked
+
+  # ---- epochs ----
+
+  @property
+  def epoch(self) -> int:
+    """The syncer epoch the learner's bases are named in (set by the learner at join and recovery)."""
+    with self._lock:
+      return self._epoch
+
+  def set_epoch(self, epoch: int) -> None:
+    with self._lock:
+      self._epoch = self._seen_epoch = epoch
+
+  def _see(self, epoch: int) -> None:
+    if epoch:
+      with self._lock:
+        self._seen_epoch = epoch
+
+  def epoch_changed(self) -> bool:
+    """An answer named another syncer epoch than the learner's: the syncer restarted; recover."""
+    with self._lock:
+      return bool(self._epoch and self._seen_epoch and self._seen_epoch != self._epoch)
 
   @property
   def step_time_s(self) -> float:
@@ -107,9 +157,13 @@ class Comms:
               "payload_bytes_sent": self._payload_sent, "payload_bytes_received": self._payload_received,
               "pushes": self._pushes}
 
-  def join(self) -> dict[int, int]:
-    """Joins the run; returns the current version of every fragment. Starts the heartbeat."""
+  def join(self) -> Versions:
+    """Joins the run; returns the current version of every fragment, with the syncer's epoch and history
+    (empty from a transport that sends none). Starts the heartbeat."""
     versions = self.transport.join(self.learner_id, self.fingerprint)
+    if not isinstance(versions, Versions):
+      versions = Versions(versions)
+    self._see(versions.epoch)
     if not self._heartbeat.is_alive():
       self._heartbeat.start()
     return versions
@@ -128,43 +182,66 @@ class Comms:
                                       have_epoch=have_epoch)
       if published is None:
         continue
-      if published.kind == "delta" and (have_version < 0 or published.base_version != have_version):
-        raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from version "
-                                   f"{published.base_version}, but this learner holds {have_version}")
-      if published.kind == "delta" and have_version > 0 and published.epoch != have_epoch:
-        # R_0 is the same in every epoch; a later version's reference only within one syncer lifetime.
-        raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from syncer epoch "
-                                   f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
-      if published.kind not in ("full", "delta"):
-        raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
-      with self._lock:
-        self._payload_received += len(published.payload)
-      return published, self._decode(published)
+      return self._checked(published, fragment, have_version, have_epoch)
     raise RuntimeError("comms stopped")
 
-  def _result(self, fragment: int, min_version: int, have_version: int, have_epoch: int,
-              late: bool) -> SyncResult:
-    published, vec = self.fetch(fragment, min_version, have_version, have_epoch)
-    return SyncResult(fragment, published.version, vec, late=late, kind=published.kind,
-                      base_version=published.base_version, epoch=published.epoch)
+  def _checked(self, published: Published, fragment: int, have_version: int,
+               have_epoch: int) -> tuple[Published, np.ndarray]:
+    """Validates an answer against what the learner holds; returns it with its decoded vector."""
+    if published.kind == "delta" and (have_version < 0 or published.base_version != have_version):
+      raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from version "
+                                 f"{published.base_version}, but this learner holds {have_version}")
+    if published.kind == "delta" and have_version > 0 and published.epoch != have_epoch:
+      # R_0 is the same in every epoch; a later version's reference only within one syncer lifetime.
+      raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from syncer epoch "
+                                 f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
+    if published.kind not in ("full", "delta"):
+      raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
+    self._see(published.epoch)
+    with self._lock:
+      self._payload_received += len(published.payload)
+    return published, self._decode(published)
+
+  def _result(self, fragment: int, min_version: int, have_version: int, have_epoch: int, sync_epoch: int,
+              receipt: PushReceipt | None) -> SyncResult:
+    """The merged fragment of a sync made in `sync_epoch`, or `abandoned` once another epoch shows up."""
+    while True:
+      with self._lock:
+        restarted = self._epoch != sync_epoch or self._seen_epoch not in (0, sync_epoch)
+      if restarted and sync_epoch:
+        return SyncResult(fragment, -1, None, late=False, receipt=receipt, abandoned=True)
+      published = self.transport.pull(fragment, min_version, self.pull_timeout_s, have_version=have_version,
+                                      have_epoch=have_epoch)
+      if self._stop.is_set():
+        raise RuntimeError("comms stopped")
+      if published is None:
+        continue
+      if sync_epoch and published.epoch not in (0, sync_epoch):
+        self._see(published.epoch)
+        continue  # the loop's first check returns abandoned
+      published, vec = self._checked(published, fragment, have_version, have_epoch)
+      return SyncResult(fragment, published.version, vec, late=bool(receipt and receipt.late),
+                        kind=published.kind, base_version=published.base_version, epoch=published.epoch,
+                        receipt=receipt)
 
   def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int,
            base_epoch: int = 0) -> concurrent.futures.Future:
     """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result.
 
     `base_version`, `base_epoch`: the version and syncer epoch of the learner's base for the fragment.
+    The future's `SyncResult` is `abandoned` if the syncer restarts meanwhile (module docstring).
     """
-    return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens)
+    return self._pool.submit(self._sync, fragment, delta, base_version, base_epoch, steps, tokens, self.epoch)
 
-  def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
+  def _sync(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
     cpu0 = time.thread_time()
     try:
-      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens)
+      return self._sync_timed(fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch)
     finally:
       with self._lock:
         self._cpu_s += time.thread_time() - cpu0
 
-  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens) -> SyncResult:
+  def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
     vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
@@ -172,31 +249,43 @@ class Comms:
       sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,
                 base_version=base_version, steps=steps, tokens=tokens, codec=self.codec, payload=payload,
-                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence)
+                checksum=codec_lib.checksum(payload), incarnation=self.incarnation, sequence=sequence,
+                base_epoch=base_epoch)
     del vec
     try:
-      receipt = self._push(push)
+      receipt = self._push(push, sync_epoch)
     except Rejected as e:
+      if e.reason == "epoch":  # the syncer restarted before this push: recover, then push again
+        return SyncResult(fragment, -1, None, late=False, abandoned=True)
       # A refused push is lost work, but the learner must go on: fetch the current global and adopt it.
       self.rejected.append(e.reason)
       log.warning("learner %d: push of fragment %d refused: %s", self.learner_id, fragment, e)
-      return self._result(fragment, 0, base_version, base_epoch, late=False)
+      return self._result(fragment, 0, base_version, base_epoch, sync_epoch, None)
+    if receipt is None:  # rejoined a restarted syncer: the push waits for the recovery
+      return SyncResult(fragment, -1, None, late=False, abandoned=True)
     # Wait for the version that merges this push (the receipt names it), not just any version after the
     # base: a late push's base is already behind, and adopting a version without this learner's own work
     # would set it back by a period. The learner's base for this fragment is the reference of base_version
     # until this result is adopted (one sync per fragment in flight), so a delta from it applies if the
     # syncer's epoch is still that base's (a syncer restored meanwhile answers with the full fragment).
     merged = max(base_version + 1, receipt.version)
-    return self._result(fragment, merged, base_version, base_epoch, late=receipt.late)
+    return self._result(fragment, merged, base_version, base_epoch, sync_epoch, receipt)
 
-  def _push(self, push: Push):
+  def _push(self, push: Push, sync_epoch: int) -> PushReceipt | None:
+    """The receipt, or None when the syncer forgot this learner because it restarted (another epoch)."""
     try:
       receipt = self.transport.push(push)
     except Rejected as e:
-      if e.reason not in REJOIN_REASONS:
+      if e.reason not in REJOIN_REASONS or self._leaving.is_set():
         raise
-      self.transport.join(self.learner_id, self.fingerprint)
+      versions = self.transport.join(self.learner_id, self.fingerprint)
+      epoch = getattr(versions, "epoch", 0)
+      self._see(epoch)
+      if sync_epoch and epoch not in (0, sync_epoch):
+        return None
       receipt = self.transport.push(push)
+    if receipt.epoch != sync_epoch:  # a duplicate's receipt names the sync's own (maybe older) lifetime
+      self._see(receipt.epoch)
     with self._lock:  # only an accepted push reaches the syncer's count
       self._payload_sent += len(push.payload)
       self._pushes += 1
@@ -208,15 +297,17 @@ class Comms:
     return codec_lib.decode(published.payload, published.codec, self.sizes[published.fragment], self.block)
 
   def _heartbeat_loop(self) -> None:
-    while not self._stop.wait(self._heartbeat_s):
+    while not self._stop.wait(self._heartbeat_s) and not self._leaving.is_set():
+      step_time = self.step_time_s
+      with self._lock:
+        step, blocked = self._step, self._blocked
       try:
-        with self._lock:
-          step = self._step
-        self.transport.heartbeat(self.learner_id, self.step_time_s, step=step)
+        self._see(self.transport.heartbeat(self.learner_id, step_time, step=step, blocked=blocked))
       except Rejected as e:
-        if e.reason in REJOIN_REASONS:
+        if e.reason in REJOIN_REASONS and not self._leaving.is_set():
           try:
-            self.transport.join(self.learner_id, self.fingerprint)
+            versions = self.transport.join(self.learner_id, self.fingerprint)
+            self._see(getattr(versions, "epoch", 0))
           except Exception as join_error:  # noqa: BLE001 - keep heartbeating; the next beat retries
             log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on
@@ -228,12 +319,18 @@ class Comms:
     self._stop.set()
 
   def close(self, leave: bool = True) -> None:
-    """Stop the workers and the heartbeat, then leave the quorum (`leave`). A sync still waiting for its
-    merged fragment is abandoned (its future fails): after a clean flush there is none."""
-    self._stop.set()  # first: a worker long-polling for a version that never comes must not hold us
-    self._pool.shutdown(wait=True)
+    # Stop first: a sync still in flight (the learner failed) gives up within one pull instead of
+    # holding the shutdown.
+    self._stop.set()
+    self._pool.shutdown(wait=True, cancel_futures=True)
     if leave:
       try:
-        self.transport.leave(self.learner_id)
+        self.leave()
       except Exception as e:  # noqa: BLE001
         log.warning("learner %d: leave failed: %s", self.learner_id, e)
+
+  def leave(self) -> None:
+    """Leave the quorum for good: heartbeats stop first, so none rejoins this learner afterwards (a
+    heartbeat refused as "left" would otherwise join it again)."""
+    self._leaving.set()
+    self.transport.leave(self.learner_id)

@@ -14,6 +14,11 @@ transport (it alone joins, pushes, pulls and heartbeats), and handed to the othe
   through `multihost.HostChannel`; the others read it. Process 0 never waits for them.
 * **the values**: each adopted fragment's vector goes from process 0's devices to every device of the
   learner in one collective (`multihost.Broadcaster`), not through N syncer connections.
+* **syncer restarts**: process 0 alone sees another syncer epoch (its comms). It says so at the next
+  decision point (an adoption, a blocked wait, or the stop check every `train.log_every` steps), and then
+  decides the recovery (`Learner._recovery_decision`: adopt, keep or rebase per fragment, the work to push
+  again) in one more decision that every process applies alike (`Learner._apply_recovery`), the fetched
+  fragments broadcast like merged ones.
 
 The outer gradient that process 0 pushes is its local copy of a replicated array (the whole vector). Data
 (`MeshTrainer`) and checkpoints (orbax) are already per process.
@@ -92,10 +97,12 @@ class GroupLearner(loop_lib.Learner):
     for entry, item in zip(entries, chosen):
       self.in_flight.remove(item)
       _, version, kind, base_version, epoch, late = entry
-      vec = item.future.result().global_vec if self.leader else None
-      result = SyncResult(item.fragment, int(version), self._vector(vec, item.fragment), late=bool(late),
-                          kind=str(kind), base_version=int(base_version), epoch=int(epoch))
-      self._adopt(result, item.snapshot)
+      local = item.future.result() if self.leader else None
+      result = SyncResult(item.fragment, int(version),
+                          self._vector(local.global_vec if local else None, item.fragment), late=bool(late),
+                          kind=str(kind), base_version=int(base_version), epoch=int(epoch),
+                          receipt=local.receipt if local else None)
+      self._adopt_result(item, result)  # process 0 remembers the receipt (a restart may lose that merge)
 
   @staticmethod
   def _entry(index: int, result: SyncResult) -> list:
@@ -107,13 +114,19 @@ class GroupLearner(loop_lib.Learner):
     fetched = {}  # on process 0: fragment -> (published header, vector)
 
     def message():
+      self.comms.report_step(self.trainer.step)
       versions = self.comms.join()
+      self.comms.set_epoch(versions.epoch)
       if self.restored or any(v > 0 for v in versions.values()):
         for p in range(self.plan.num_fragments):
           fetched[p] = self.comms.fetch(p, 0, have_version=-1)
-      return {"join": [[p, published.version, published.epoch] for p, (published, _) in fetched.items()]}
+      return {"epoch": versions.epoch,
+              "join": [[p, published.version, published.epoch] for p, (published, _) in fetched.items()]}
 
-    for p, version, epoch in self._decide(message)["join"]:
+    decided = self._decide(message)
+    # The seed's fragments (version 0), named in this syncer's numbering.
+    self.base_epoch = [int(decided["epoch"])] * self.plan.num_fragments
+    for p, version, epoch in decided["join"]:
       vec = self._vector(fetched[p][1] if self.leader else None, p)
       self._adopt(SyncResult(p, version, vec, late=False, epoch=epoch), snapshot=None)
 
@@ -131,24 +144,65 @@ class GroupLearner(loop_lib.Learner):
       self.channel.request_stop()
 
     def message():
-      ready = [i for i in candidates if items[i].future.done()]
       stop = check_stop and (self._local_stop() or self.channel.stop_requested())
+      if self._restarted(items):
+        return {"adopt": [], "stop": stop, "recover": True}
+      ready = [i for i in candidates if items[i].future.done()]
       return {"adopt": [self._entry(i, items[i].future.result()) for i in ready], "stop": stop}
 
     decided = self._decide(message)
     self.stop_agreed = self.stop_agreed or bool(decided.get("stop"))
+    if decided.get("recover"):
+      self._recover()
+      return
     self._adopt_decided(decided["adopt"], items)
 
   def _wait(self, item: loop_lib.InFlight) -> None:
+    if item not in self.in_flight:
+      return  # a recovery already settled it (the same on every process)
     items = list(self.in_flight)
     if self.leader and not item.future.done():
       jax.block_until_ready(self.trainer.state.params)  # as Learner._wait: dispatched steps are compute
-    t0 = time.perf_counter()
-    if self.leader:  # the blocked wait; an error it ends in goes to the others with the decision
-      concurrent.futures.wait([item.future])
-    decided = self._decide(lambda: {"adopt": [self._entry(items.index(item), item.future.result())]})
-    self.stats.blocked_s += time.perf_counter() - t0
+    with self._blocked():
+      if self.leader:  # the blocked wait; an error it ends in goes to the others with the decision
+        concurrent.futures.wait([item.future])
+
+      def message():
+        if item.future.result().abandoned:
+          return {"adopt": [], "recover": True}
+        return {"adopt": [self._entry(items.index(item), item.future.result())]}
+
+      decided = self._decide(message)
+      if decided.get("recover"):
+        self._recover()
+        return
     self._adopt_decided(decided["adopt"], items)
+
+  # -- syncer restarts (process 0 decides, every process applies) ---------------------------------------
+
+  def _restarted(self, items) -> bool:
+    """On process 0: the syncer restarted (another epoch seen, or a sync in flight abandoned)."""
+    return self.comms.epoch_changed() or any(
+        item.future.done() and item.future.result().abandoned for item in items)
+
+  def check_syncer(self) -> None:
+    """Restarts are noticed at decision points (`_adopt_ready`, `_wait`): no extra decision per step."""
+
+  def _recover(self) -> None:
+    with self._blocked():
+      items = list(self.in_flight)
+      vectors = {}  # on process 0: the fetched fragments
+
+      def message():
+        decision, fetched = self._recovery_decision(items)
+        vectors.update(fetched)
+        return {"recover": decision}
+
+      decision = self._decide(message)["recover"]
+      self._apply_recovery(decision, items, vectors)
+
+  def _recovery_vector(self, vec, p: int):
+    return self._vector(vec if self.leader else None, p)
 
   def _start_sync(self, p: int, delta: jax.Array):
     if not self.leader:

@@ -15,12 +15,31 @@ adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for
 
 The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
 only ever holds the fragments in flight.
+
+Syncer restarts (docs/operations.md, "Recovery"). When the comms see another syncer epoch, the learner
+recovers at the next step boundary (`_recover`): it rejoins, learns the lifetimes the restored global
+model went through, and for each fragment
+  * adopts the restored global fragment (keeping its steps since the snapshot) if its push in flight is
+    in the restored model (merged before the checkpoint the syncer restored);
+  * else takes back that push's steps and tokens, to push them again, and
+      - keeps its base if the restored model's history still holds it (renamed in the new numbering): its
+        next outer gradient carries all its work since that base;
+      - rebases onto the restored global fragment otherwise (its base came from merges the crash lost):
+        base_p <- Theta_p with theta_p unchanged, so its next outer gradient Theta_p - theta_p carries its
+        own unmerged work and the lost merges it had adopted, whose steps and tokens it takes back too.
+Nothing waits on an event that may never come: a sync in flight gives up on a merged fragment from a dead
+syncer as soon as another epoch shows up. Work pushed again goes out as a new push (a new idempotency
+sequence, `learner/comms.py`): to the restored syncer it is new work, never a duplicate of the lost push.
+The process that talks to the syncer decides the recovery (`_recovery_decision`); every process of a
+multi-host learner applies the same decision (`_apply_recovery`, learner/group.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import logging
 import math
 import time
 from typing import Sequence
@@ -32,9 +51,14 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import protocol
 from diloco_jax import trainer as trainer_lib
 from diloco_jax.learner.comms import Comms, SyncResult
 from diloco_jax.learner.pace import StepPacer
+
+log = logging.getLogger(__name__)
+
+RECEIPT_LOG = 64  # accepted pushes remembered per fragment (their work is pushed again if a crash lost it)
 
 
 @dataclasses.dataclass
@@ -43,6 +67,18 @@ class InFlight:
   snapshot_step: int
   snapshot: jax.Array  # the outer gradient pushed (on the device): locates theta at the snapshot
   future: object  # concurrent.futures.Future[SyncResult]
+  steps: int = 0  # the inner steps and tokens the push carries
+  tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Merged:
+  """An accepted push whose merged fragment the learner adopted."""
+
+  epoch: int
+  round: int
+  steps: int
+  tokens: int
 
 
 @dataclasses.dataclass
@@ -53,6 +89,9 @@ class LearnerStats:
   blocked_s: float = 0.0
   compute_s: float = 0.0  # wall time of the inner loop outside blocked waits
   outer_cpu_s: float = 0.0  # host CPU time of the outer loop's work at step boundaries (this thread)
+  recoveries: int = 0  # syncer restarts recovered from
+  steps_taken_back: int = 0  # steps (summed over fragments) pushed again after a restart lost them
+  rebased: int = 0  # fragments rebased onto a restored global
 
 
 def _take(leaf, shape, a: int, b: int):
@@ -156,13 +195,15 @@ class Learner:
     self.comms = None if transport is None else Comms(
         transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-        max_in_flight=self.max_in_flight, heartbeat_s=max(outer.lease_s / 4, 0.05))
+        max_in_flight=self.max_in_flight, heartbeat_s=config_lib.heartbeat_interval_s(config))
     self.base_version = [0] * self.plan.num_fragments
     # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
     self.base_epoch = [0] * self.plan.num_fragments
     self.steps_since = [0] * self.plan.num_fragments
     self.tokens_since = [0] * self.plan.num_fragments
     self.in_flight: collections.deque[InFlight] = collections.deque()
+    self._merged = [collections.deque(maxlen=RECEIPT_LOG) for _ in range(self.plan.num_fragments)]
+    self._blocked_depth = 0
     self.stats = LearnerStats()
     self.log = metrics_log
     self._tau = outer.tau
@@ -176,7 +217,11 @@ class Learner:
   def join(self) -> None:
     """Joins the syncer; a learner that resumes or rejoins a run in progress adopts every current global
     fragment first, so its next pushes are outer gradients against the global model."""
+    self.comms.report_step(self.trainer.step)
     versions = self.comms.join()
+    self.comms.set_epoch(versions.epoch)
+    # The seed's fragments (version 0), named in this syncer's numbering.
+    self.base_epoch = [versions.epoch] * self.plan.num_fragments
     if self.restored or any(v > 0 for v in versions.values()):
       for p in range(self.plan.num_fragments):
         # have_version -1: whatever base this process holds (restored, or the seed's) may not be the
@@ -214,33 +259,75 @@ class Learner:
     self.stats.adopted += 1
     self.stats.late_merges += int(result.late)
 
+  def _adopt_result(self, item: InFlight, result: SyncResult) -> None:
+    """Adopt the merged fragment of a sync in flight, remembering its receipt (a later restart may lose
+    that merge; its work is then pushed again)."""
+    self._adopt(result, item.snapshot)
+    if result.receipt is not None:
+      r = result.receipt
+      self._merged[item.fragment].append(_Merged(r.epoch, r.round, item.steps, item.tokens))
+
+  @contextlib.contextmanager
+  def _blocked(self):
+    """The inner loop waits on the syncer: counted as blocked time, and heartbeats say so (a learner
+    blocked on a round is not a stopped one)."""
+    self._blocked_depth += 1
+    if self.comms is not None:
+      self.comms.set_blocked(True)
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._blocked_depth -= 1
+      if self._blocked_depth == 0:
+        self.stats.blocked_s += time.perf_counter() - t0
+        if self.comms is not None:
+          self.comms.set_blocked(False)
+
   def _wait(self, item: InFlight) -> None:
+    """Wait for a sync in flight and adopt its result (or recover, if the syncer restarted meanwhile).
+    The wait is bounded by the comms: a merged fragment, an abandoned sync (another epoch), or an error
+    (the syncer unreachable past `comms.unreachable_deadline_s`)."""
+    if item not in self.in_flight:
+      return  # a recovery already settled it
     if not item.future.done():
       # Steps already dispatched are compute, not waiting: let the device finish them before the clock
       # starts (the comms thread's host copy of the snapshot waits for them too).
       jax.block_until_ready(self.trainer.state.params)
-    t0 = time.perf_counter()
-    result = item.future.result()
-    self.stats.blocked_s += time.perf_counter() - t0
+    with self._blocked():
+      result = item.future.result()
+      if result.abandoned:
+        self._recover()
+        return
     self.in_flight.remove(item)
-    self._adopt(result, item.snapshot)
+    self._adopt_result(item, result)
 
   def _adopt_ready(self, step: int) -> None:
     for item in list(self.in_flight):
-      if item.future.done() and step >= item.snapshot_step + self._tau:
+      if item not in self.in_flight or not item.future.done():
+        continue
+      result = item.future.result()
+      if result.abandoned:
+        self._recover()
+        return
+      if step >= item.snapshot_step + self._tau:
         self.in_flight.remove(item)
-        self._adopt(item.future.result(), item.snapshot)
+        self._adopt_result(item, result)
 
   def _snapshot(self, p: int, step: int) -> None:
-    for item in list(self.in_flight):
-      if item.fragment == p:  # due again before its last sync came back
-        self._wait(item)
-    while len(self.in_flight) >= self.max_in_flight:
-      self._wait(self.in_flight[0])
+    while True:
+      same = [item for item in self.in_flight if item.fragment == p]
+      if same:  # due again before its last sync came back
+        self._wait(same[0])
+      elif len(self.in_flight) >= self.max_in_flight:
+        self._wait(self.in_flight[0])
+      else:
+        break
     grad_fn, _ = self._fns[p]
     keys = self._keys[p]
     delta = grad_fn(fragments_lib.get_leaves(self.base, keys), fragments_lib.get_leaves(self.trainer.state.params, keys))
-    self.in_flight.append(InFlight(p, step, delta, self._start_sync(p, delta)))
+    self.in_flight.append(InFlight(p, step, delta, self._start_sync(p, delta), self.steps_since[p],
+                                   self.tokens_since[p]))
     self.steps_since[p] = self.tokens_since[p] = 0
     self.stats.syncs += 1
     if self._tau == 0:
@@ -256,6 +343,129 @@ class Learner:
     """The `should_stop` the loop polls between steps (a multi-host learner's is agreed by its processes)."""
     return should_stop
 
+  # -- syncer restarts -----------------------------------------------------------------------------
+
+  def _recover(self) -> None:
+    """The syncer restarted: settle every sync in flight and every base against the restored model (module
+    docstring, "Syncer restarts"). Blocks the inner loop (counted); the network calls are bounded like
+    every other (a syncer unreachable past `comms.unreachable_deadline_s` fails the learner)."""
+    with self._blocked():
+      items = list(self.in_flight)
+      decision, vectors = self._recovery_decision(items)
+      self._apply_recovery(decision, items, vectors)
+
+  def _recovery_decision(self, items: list[InFlight]) -> tuple[dict, dict[int, np.ndarray]]:
+    """What the recovery does (the process that talks to the syncer decides; a multi-host learner hands
+    the decision to its other processes, learner/group.py): a JSON-able decision and the fetched global
+    fragments by fragment (host vectors)."""
+    # Every sync in flight ends promptly once the comms saw the new epoch (abandoned, or merged before).
+    results = [item.future.result() for item in items]
+    while True:
+      versions = self.comms.join()
+      planned = self._plan_recovery(versions, items, results)
+      if planned is not None:
+        return planned
+      log.warning("learner %d: the syncer restarted again during recovery; recovering again", self.learner_id)
+
+  def _plan_recovery(self, versions, items: list[InFlight], results: list) -> tuple[dict, dict] | None:
+    """The recovery against `versions` (a join's answer), per fragment [p, action, index of its sync in
+    flight (-1: none), version, epoch, steps and tokens to push again, kind, base_version, late]; None if
+    an answer meanwhile came from yet another epoch."""
+    epoch, history = versions.epoch, versions.history
+    n = self.plan.num_fragments
+    in_flight = {item.fragment: (i, result) for i, (item, result) in enumerate(zip(items, results))}
+    plan, fetch = {}, []
+    for p in range(n):
+      index, result = in_flight.get(p, (-1, None))
+      if result is not None:
+        if not result.abandoned and result.epoch == epoch:
+          plan[p] = ["result", index, result.version, result.epoch, 0, 0, result.kind, result.base_version,
+                     bool(result.late)]  # merged by the current syncer itself
+          continue
+        receipt = result.receipt
+        if receipt is not None and protocol.merged_for_good(history, receipt.epoch, receipt.round, p):
+          plan[p] = ["adopt", index, None, None, 0, 0]  # the restored model holds this push: adopt it
+          fetch.append(p)
+          continue
+      # Its push (if any) is not in the restored model: push that work again.
+      steps, tokens = (items[index].steps, items[index].tokens) if index >= 0 else (0, 0)
+      renamed = protocol.current_version(history, self.base_epoch[p], self.base_version[p], p)
+      if renamed is None and self.base_epoch[p] == 0 and self.base_version[p] == 0 and history:
+        renamed = history[-1].version_offsets[p]  # the seed: the same in every lifetime
+      if renamed is not None:
+        plan[p] = ["keep", index, renamed, epoch, steps, tokens]
+      else:
+        # Adopted merges the crash lost are in theta but not in the restored global: rebasing makes the
+        # next outer gradient carry them, so their steps and tokens count again.
+        for m in self._merged[p]:
+          if not protocol.merged_for_good(history, m.epoch, m.round, p):
+            steps, tokens = steps + m.steps, tokens + m.tokens
+        plan[p] = ["rebase", index, None, epoch, steps, tokens]
+        fetch.append(p)
+    vectors = {}
+    for p in fetch:
+      published, vec = self.comms.fetch(p, 0, have_version=-1)
+      if published.epoch != epoch:
+        return None
+      plan[p][2:4] = [published.version, published.epoch]
+      vectors[p] = vec
+    return {"epoch": epoch, "fragments": [[p, *plan[p]] for p in range(n)]}, vectors
+
+  def _recovery_vector(self, vec: np.ndarray | None, p: int):
+    """A fetched global fragment on this learner's devices (a multi-host learner broadcasts it)."""
+    return vec
+
+  def _apply_recovery(self, decision: dict, items: list[InFlight], vectors: dict) -> None:
+    """Apply a recovery decision (`_plan_recovery`); every process of a learner applies the same one."""
+    epoch, taken_back = int(decision["epoch"]), 0
+    for p, action, index, *rest in decision["fragments"]:
+      item = items[index] if index >= 0 else None
+      if action == "result":
+        version, result_epoch, _, _, kind, base_version, late = rest
+        result = item.future.result() if item.future is not None else None
+        vec = self._recovery_vector(result.global_vec if result is not None else None, p)
+        self._adopt_result(item, SyncResult(p, int(version), vec, late=bool(late), kind=str(kind),
+                                            base_version=int(base_version), epoch=int(result_epoch),
+                                            receipt=result.receipt if result is not None else None))
+        continue
+      version, version_epoch, steps, tokens = rest
+      vec = self._recovery_vector(vectors.get(p), p) if action in ("adopt", "rebase") else None
+      if action == "adopt":
+        self._adopt(SyncResult(p, int(version), vec, late=False, epoch=int(version_epoch)), item.snapshot)
+      elif action == "keep":
+        self.base_version[p], self.base_epoch[p] = int(version), epoch
+      else:
+        self._rebase(p, vec)
+        self.base_version[p], self.base_epoch[p] = int(version), int(version_epoch)
+        self.stats.rebased += 1
+      self._merged[p].clear()
+      self.steps_since[p] += int(steps)
+      self.tokens_since[p] += int(tokens)
+      taken_back += int(steps)
+    self.in_flight.clear()
+    if self.comms is not None:
+      self.comms.set_epoch(epoch)
+    self.stats.recoveries += 1
+    self.stats.steps_taken_back += taken_back
+    log.warning("learner %d: syncer restarted (epoch %d); %s; %d steps to push again", self.learner_id, epoch,
+                ", ".join(f"fragment {f[0]}: {f[1]} v{self.base_version[f[0]]}" for f in decision["fragments"]),
+                taken_back)
+
+  def _rebase(self, p: int, vec) -> None:
+    """base_p <- vec, theta unchanged: the fragment's full adopt with alpha = 1 (theta exactly kept), a
+    function already compiled (a restart must not wait for a compilation while others may wait for us)."""
+    _, adopt_fns = self._fns[p]
+    state, keys = self.trainer.state, self._keys[p]
+    params, base = adopt_fns["full"](fragments_lib.get_leaves(state.params, keys),
+                                     fragments_lib.get_leaves(self.base, keys), vec, self._zeros[p], 1.0, 0.0)
+    self.base = fragments_lib.set_leaves(self.base, keys, base)
+    self.trainer.set_state(dataclasses.replace(state, params=fragments_lib.set_leaves(state.params, keys, params)))
+
+  def check_syncer(self) -> None:
+    """Recover now if the comms saw the syncer restart (called at every step boundary)."""
+    if self.comms.epoch_changed():
+      self._recover()
+
   def after_step(self, tokens: int) -> None:
     """The outer loop's work at a step boundary (after the inner step that just ran)."""
     cpu0 = time.thread_time()
@@ -263,6 +473,7 @@ class Learner:
     for p in range(self.plan.num_fragments):
       self.steps_since[p] += 1
       self.tokens_since[p] += tokens
+    self.check_syncer()
     self._adopt_ready(step)
     for p in fragments_lib.due_fragments(self.plan, step):
       self._snapshot(p, step)
@@ -285,12 +496,17 @@ class Learner:
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
-    then wait for and adopt every result."""
-    step = self.trainer.step
-    for p in range(self.plan.num_fragments):
-      if self.steps_since[p] > 0:
-        self._snapshot(p, step)
-    while self.in_flight:
+    then wait for and adopt every result. A syncer restart meanwhile sends the lost work again."""
+    while True:
+      self.check_syncer()
+      step = self.trainer.step
+      for p in range(self.plan.num_fragments):
+        if self.steps_since[p] > 0 and not any(item.fragment == p for item in self.in_flight):
+          self._snapshot(p, step)
+      if not self.in_flight:
+        if not any(self.steps_since):
+          return
+        continue
       self._wait(self.in_flight[0])
 
   def close(self, leave: bool = True) -> None:
@@ -327,6 +543,7 @@ def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) ->
       "blocked_s": stats.blocked_s, "compute_s": stats.compute_s,
       "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
       "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
+      "recoveries": stats.recoveries, "steps_taken_back": stats.steps_taken_back, "rebased": stats.rebased,
       **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
       "local_eval_loss": eval_loss, "params": trainer.num_params, "batch_size": trainer.batch_size,
       "devices": len(trainer.mesh.devices.flat),

@@ -42,6 +42,7 @@ directory). If one of them dies or hangs for
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -162,8 +163,10 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   leader = jax.process_index() == 0  # process 0 of a multi-host learner, or a one-process learner
   quiet = quiet or not leader
   transport = GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})) if leader else None
+  built = []  # the learner, once built: its comms leave (heartbeats stop first, so none rejoins it)
   if channel is not None and leader:
-    exit_hooks.append(lambda: transport.leave(learner_id))  # a learner out of the run leaves its quorum
+    # A learner out of the run leaves its quorum.
+    exit_hooks.append(lambda: built[0].comms.leave() if built else transport.leave(learner_id))
   metrics_log = None
   if leader:
     config_lib.save_resolved(config, workdir, run_id)
@@ -172,6 +175,7 @@ def run(config, *, target: str, learner_id: int, workdir: str, token: str, run_i
   learner = (group_lib.GroupLearner(config, learner_id, devices[:k], transport, fingerprint, workdir,
                                     channel=channel, **kwargs) if channel is not None else
              loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir, **kwargs))
+  built.append(learner)
   start_step = learner.trainer.step
   if not quiet:
     spans = f" over {jax.process_count()} processes" if channel is not None else ""
@@ -260,6 +264,7 @@ def main(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
   config = fv.config
   learner_id = fv["learner-id"].value
   if not 0 <= learner_id < config.learners.num:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\x06\x64iloco\"6\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x88\x01\n\x0cJoinResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".diloco.JoinResponse.VersionsEntry\x12\x11\n\tdata_port\x18\x02 \x01(\x05\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"7\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xd8\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x12\n\ntotal_size\x18\t \x01(\x04\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x10\n\x08sequence\x18\x0b \x01(\x04\"Y\n\tPushChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"N\n\x0cPushResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04late\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\xc4\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x19\n\x0chave_version\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nhave_epoch\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_have_versionB\r\n\x0b_have_epoch\"\xa6\x01\n\nPullHeader\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x12\n\ntotal_size\x18\x06 \x01(\x04\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x04\"Y\n\tPullChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"l\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd1\x02\n\x06Syncer\x12\x31\n\x04Join\x12\x13.diloco.JoinRequest\x1a\x14.diloco.JoinResponse\x12\x34\n\x05Leave\x12\x14.diloco.LeaveRequest\x1a\x15.diloco.LeaveResponse\x12\x31\n\x04Push\x12\x11.diloco.PushChunk\x1a\x14.diloco.PushResponse(\x01\x12\x30\n\x04Pull\x12\x13.diloco.PullRequest\x1a\x11.diloco.PullChunk0\x01\x12@\n\tHeartbeat\x12\x18.diloco.HeartbeatRequest\x1a\x19.diloco.HeartbeatResponse\x12\x37\n\x06Status\x12\x15.diloco.StatusRequest\x1a\x16.diloco.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\x06\x64iloco\"6\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\xba\x01\n\x0cJoinResponse\x12\x34\n\x08versions\x18\x01 \x03(\x0b\x32\".diloco.JoinResponse.VersionsEntry\x12\x11\n\tdata_port\x18\x02 \x01(\x05\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12!\n\x07history\x18\x04 \x03(\x0b\x32\x10.diloco.Lifetime\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"H\n\x08Lifetime\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0cstart_rounds\x18\x02 \x03(\x03\x12\x17\n\x0fversion_offsets\x18\x03 \x03(\x03\"7\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\xec\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x12\n\ntotal_size\x18\t \x01(\x04\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x10\n\x08sequence\x18\x0b \x01(\x04\x12\x12\n\nbase_epoch\x18\x0c \x01(\x04\"Y\n\tPushChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"]\n\x0cPushResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04late\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x03\"\xc4\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x19\n\x0chave_version\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nhave_epoch\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_have_versionB\r\n\x0b_have_epoch\"\xa6\x01\n\nPullHeader\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x12\n\ntotal_size\x18\x06 \x01(\x04\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x04\"Y\n\tPullChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.diloco.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\x06\n\x04kind\"}\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x07\x62locked\x18\x05 \x01(\x08\x42\x07\n\x05_step\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd1\x02\n\x06Syncer\x12\x31\n\x04Join\x12\x13.diloco.JoinRequest\x1a\x14.diloco.JoinResponse\x12\x34\n\x05Leave\x12\x14.diloco.LeaveRequest\x1a\x15.diloco.LeaveResponse\x12\x31\n\x04Push\x12\x11.diloco.PushChunk\x1a\x14.diloco.PushResponse(\x01\x12\x30\n\x04Pull\x12\x13.diloco.PullRequest\x1a\x11.diloco.PullChunk0\x01\x12@\n\tHeartbeat\x12\x18.diloco.HeartbeatRequest\x1a\x19.diloco.HeartbeatResponse\x12\x37\n\x06Status\x12\x15.diloco.StatusRequest\x1a\x16.diloco.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=24
   _globals['_JOINREQUEST']._serialized_end=78
   _globals['_JOINRESPONSE']._serialized_start=81
-  _globals['_JOINRESPONSE']._serialized_end=217
-  _globals['_JOINRESPONSE_VERSIONSENTRY']._serialized_start=170
-  _globals['_JOINRESPONSE_VERSIONSENTRY']._serialized_end=217
-  _globals['_LEAVEREQUEST']._serialized_start=219
-  _globals['_LEAVEREQUEST']._serialized_end=274
-  _globals['_LEAVERESPONSE']._serialized_start=276
-  _globals['_LEAVERESPONSE']._serialized_end=291
-  _globals['_PUSHHEADER']._serialized_start=294
-  _globals['_PUSHHEADER']._serialized_end=510
-  _globals['_PUSHCHUNK']._serialized_start=512
-  _globals['_PUSHCHUNK']._serialized_end=601
-  _globals['_PUSHRESPONSE']._serialized_start=603
-  _globals['_PUSHRESPONSE']._serialized_end=681
-  _globals['_PULLREQUEST']._serialized_start=684
-  _globals['_PULLREQUEST']._serialized_end=880
-  _globals['_PULLHEADER']._serialized_start=883
-  _globals['_PULLHEADER']._serialized_end=1049
-  _globals['_PULLCHUNK']._serialized_start=1051
-  _globals['_PULLCHUNK']._serialized_end=1140
-  _globals['_HEARTBEATREQUEST']._serialized_start=1142
-  _globals['_HEARTBEATREQUEST']._serialized_end=1250
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1252
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1271
-  _globals['_STATUSREQUEST']._serialized_start=1273
-  _globals['_STATUSREQUEST']._serialized_end=1288
-  _globals['_STATUSRESPONSE']._serialized_start=1290
-  _globals['_STATUSRESPONSE']._serialized_end=1320
-  _globals['_SYNCER']._serialized_start=1323
-  _globals['_SYNCER']._serialized_end=1660
+  _globals['_JOINRESPONSE']._serialized_end=267
+  _globals['_JOINRESPONSE_VERSIONSENTRY']._serialized_start=220
+  _globals['_JOINRESPONSE_VERSIONSENTRY']._serialized_end=267
+  _globals['_LIFETIME']._serialized_start=269
+  _globals['_LIFETIME']._serialized_end=341
+  _globals['_LEAVEREQUEST']._serialized_start=343
+  _globals['_LEAVEREQUEST']._serialized_end=398
+  _globals['_LEAVERESPONSE']._serialized_start=400
+  _globals['_LEAVERESPONSE']._serialized_end=415
+  _globals['_PUSHHEADER']._serialized_start=418
+  _globals['_PUSHHEADER']._serialized_end=654
+  _globals['_PUSHCHUNK']._serialized_start=656
+  _globals['_PUSHCHUNK']._serialized_end=745
+  _globals['_PUSHRESPONSE']._serialized_start=747
+  _globals['_PUSHRESPONSE']._serialized_end=840
+  _globals['_PULLREQUEST']._serialized_start=843
+  _globals['_PULLREQUEST']._serialized_end=1039
+  _globals['_PULLHEADER']._serialized_start=1042
+  _globals['_PULLHEADER']._serialized_end=1208
+  _globals['_PULLCHUNK']._serialized_start=1210
+  _globals['_PULLCHUNK']._serialized_end=1299
+  _globals['_HEARTBEATREQUEST']._serialized_start=1301
+  _globals['_HEARTBEATREQUEST']._serialized_end=1426
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1428
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1462
+  _globals['_STATUSREQUEST']._serialized_start=1464
+  _globals['_STATUSREQUEST']._serialized_end=1479
+  _globals['_STATUSRESPONSE']._serialized_start=1481
+  _globals['_STATUSRESPONSE']._serialized_end=1511
+  _globals['_SYNCER']._serialized_start=1514
+  _globals['_SYNCER']._serialized_end=1851
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -15,7 +15,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("versions", "data_port")
+    __slots__ = ("versions", "data_port", "epoch", "history")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,9 +25,23 @@ class JoinResponse(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.ScalarMap[int, int]
     data_port: int
-    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., data_port: _Optional[int] = ...) -> None: ...
+    epoch: int
+    history: _containers.RepeatedCompositeFieldContainer[Lifetime]
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., data_port: _Optional[int] = ..., epoch: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Lifetime, _Mapping]]] = ...) -> None: ...
+
+class Lifetime(_message.Message):
+    __slots__ = ("epoch", "start_rounds", "version_offsets")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start_rounds: _containers.RepeatedScalarFieldContainer[int]
+    version_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., start_rounds: _Optional[_Iterable[int]] = ..., version_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint")
@@ -42,7 +56,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size", "incarnation", "sequence")
+    __slots__ = ("learner_id", "fingerprint", "fragment", "base_version", "steps", "tokens", "codec", "checksum", "total_size", "incarnation", "sequence", "base_epoch")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +68,7 @@ class PushHeader(_message.Message):
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     fragment: int
@@ -65,7 +80,8 @@ class PushHeader(_message.Message):
     total_size: int
     incarnation: int
     sequence: int
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+    base_epoch: int
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., total_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_epoch: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "offset")
@@ -78,16 +94,18 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("fragment", "round", "late", "version")
+    __slots__ = ("fragment", "round", "late", "epoch", "version")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     late: bool
+    epoch: int
     version: int
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s", "have_version", "have_epoch")
@@ -140,20 +158,24 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "step_time_s", "step")
+    __slots__ = ("learner_id", "fingerprint", "step_time_s", "step", "blocked")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fingerprint: str
     step_time_s: float
     step: int
-    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+    blocked: bool
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., step_time_s: _Optional[float] = ..., step: _Optional[int] = ..., blocked: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -4,14 +4,9 @@
         --bind 127.0.0.1:50051 --token-file secrets/run.token --run-id r1
 
 It builds the core from the config (`syncer/build.py`: the global fragments start from the learners'
-initial parameters), resumes from the latest checkpoint in `--workdir`, serves it over gRPC (`syncer/service.py`,
-with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time (`syncer/ticker.py`), and
-checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown (SIGTERM/SIGINT: calls in
-flight get `syncer.shutdown_grace_s`, then a final checkpoint is written and waited for). The bound port is
-written to `WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to
-`WORKDIR/config.json` (fingerprint beside it), the syncer's metrics over time (`syncer/monitor.py`) to
-`WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`, and the decision of every closed round
-(contributors, who the grace window waited for and how long, merge coefficients) to `WORKDIR/rounds.jsonl`.
+  closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
+  if closed:
+    print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
 """
 
 from __future__ import annotations
@@ -123,10 +118,24 @@ def main(argv) -> int:
   s = config.syncer
   core, fingerprint = build_core(config, fv["run-id"].value)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
+  journal = checkpoint.Journal(workdir / "journal.json", timeline=workdir / "versions.jsonl")
+  record = None
   if fv.resume:
     info = checkpoint.restore_core(ckpt, core)
     if info:
       print(f"syncer: resumed from checkpoint step {info['step']} ({info['rounds']} rounds)", flush=True)
+    record = journal.read()
+  restored_versions = list(core.status()["versions"])
+  try:
+    core.attach_journal(journal, record)
+  except ValueError as e:
+    raise cli.UsageError(f"syncer: {e} (another run's workdir? use --no-resume or a new --workdir)") from None
+  if record is not None:
+    counters = core.counters
+    print(f"syncer: restart {counters['restarts']} (epoch {core.epoch}): versions {core.status()['versions']} "
+          f"(checkpoint {restored_versions}, journal {record['versions']}); lost to crashes so far: "
+          f"{counters['rounds_rolled_back']} rounds, {counters['contributions_lost_open']} open-round "
+          "contributions (the learners push that work again)", flush=True)
 
   stop = threading.Event()
   received = []
@@ -157,11 +166,15 @@ def main(argv) -> int:
   print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
   handle.stop(grace=float(s.shutdown_grace_s))
   ticker.stop()
-  rounds_log.close()
+  closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
+  if closed:
+    print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
+  rounds_log.close()  # after the last rounds closed: their decisions are written too
   monitor.stop()
   metrics_log.close()
   step = periodic.stop()
   ckpt.close()
+  journal.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",
         flush=True)
   return 0

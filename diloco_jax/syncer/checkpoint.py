@@ -13,8 +13,11 @@ step. Steps are save sequence numbers (1, 2, ...); the number of closed rounds i
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pathlib
+import time
 from typing import Any
 
 import numpy as np
@@ -150,6 +153,51 @@ def _has_arrays(skeleton) -> bool:
   if isinstance(skeleton, list):
     return any(_has_arrays(v) for v in skeleton)
   return False
+
+
+class Journal:
+  """The syncer's journal: the core's `journal_record()` (versions, rounds, epoch, counters), rewritten
+  atomically (a temporary file renamed over the old one) at every change, so that after a kill -9 the
+  restarted syncer never publishes a version lower than one learners saw, and its event counters (bytes,
+  joins, rejections, ...) go on from where they were (`SyncerCore.attach_journal`).
+
+  A record whose versions moved is fsynced before the rename (a version is durable, also against a host
+  crash, before any learner can see it); the others only survive the process (kill -9), not the host.
+  With `timeline`, every change of versions also appends {"t": wall time, "epoch", "versions",
+  "tokens_merged"} to that JSON-lines file (what `chaos` measures and plots). The core calls it under its lock, in order.
+  """
+
+  def __init__(self, path: str | pathlib.Path, timeline: str | pathlib.Path | None = None):
+    self.path = pathlib.Path(path)
+    self._tmp = self.path.with_name(self.path.name + ".tmp")
+    self._timeline = open(timeline, "a", encoding="utf-8") if timeline else None
+
+  def read(self) -> dict | None:
+    """The last record written, or None (no journal yet; an unreadable one is logged and ignored)."""
+    try:
+      return json.loads(self.path.read_text())
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError) as e:
+      log.warning("syncer journal %s unreadable, ignored: %s", self.path, e)
+      return None
+
+  def __call__(self, record: dict, versions_changed: bool) -> None:
+    data = json.dumps(record, separators=(",", ":")).encode()
+    with open(self._tmp, "wb") as f:
+      f.write(data)
+      if versions_changed:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(self._tmp, self.path)
+    if versions_changed and self._timeline is not None:
+      self._timeline.write(json.dumps({"t": time.time(), "epoch": record["epoch"], "versions": record["versions"],
+                                       "tokens_merged": record["counters"]["tokens_merged"]}) + "\n")
+      self._timeline.flush()
+
+  def close(self) -> None:
+    if self._timeline is not None:
+      self._timeline.close()
 
 
 def save_core(checkpointer: SyncerCheckpointer, core: SyncerCore, *, rounds: int = 0) -> int:

@@ -13,24 +13,31 @@ until it heartbeats (expired lease) or joins again (left). Its pushes already re
 Negative ids are observers' (`protocol.OBSERVER_ID`: the global model's evaluator, `status`): they pull
 and read the status without joining, and a join with one is refused, so an observer is never a member.
 
-Rounds, per fragment p. A round opens with its first contribution. With L live learners, it may close once
+Progress. Heartbeats carry the learner's inner-step counter and whether it is blocked on the syncer. A live
+learner counts toward quorums only while it makes progress: its counter changed, it said it was blocked,
+or it pushed, within the last `stall_s` seconds plus one of its own step times. A learner that stops
+(SIGSTOP, kill -9, cut off, hung) therefore stops gating rounds within that bound, long before its lease
+lapses, and counts again with its next heartbeat that shows progress. A heartbeat without a counter
+(step -1) counts as progress (clients that do not send one keep the lease-only rule).
+
+Rounds, per fragment p. A round opens with its first contribution. With L counted learners, it may close once
 `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
 after the opening); it then stays open for `round_grace_s(policy, offsets, step_times, t_quorum, t_sync)`
 seconds (`syncer/policy.py`, the paper's Eq. 3 per learner): offsets and step times are those of the
 contributors in at the quorum, each learner's step time the robust estimate it reports with its
 heartbeats (the median of its recent steps; a learner that never reported gets the median of the live
 learners' reports), and t_sync a running average (EMA) of this fragment's merge + outer step + encode
-time, measured on the same clock. It closes early as soon as every live learner has contributed. Once the
+time, measured on the same clock. It closes early as soon as every counted learner has contributed. Once the
 quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
 `c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight of its capped
 claims, below; staleness s_j the rounds closed since the push's base version; W the raw weight of one
-period of every learner the round answers for: with `scale_partial_rounds` every live learner and every
+period of every learner the round answers for: with `scale_partial_rounds` every counted learner and every
 contributor, each counted once with the weight of its latest push of this fragment, else only the
 contributors), the merged outer gradient `sum_j c_j v_j` (optionally RDA), and the Nesterov outer step
 with the round's share of a full round (`outer.make_outer_optimizer`: the momentum moves once per full
 share, delayed Nesterov); the new global fragment is published for the downlink (below; one version, or
-one per distinct base version of the round's pushes), and waiting pulls are woken. So a round holding
-part of the live learners' work moves the model by that share of a full round (k/n for equal learners;
+a delta from the base version most of the round's pushes hold), and waiting pulls are woken. So a round
+holding part of the counted learners' work moves the model by that share of a full round (k/n for equal learners;
 by tokens when their batches differ), a learner that pushed two periods into one round has both summed,
 and a lone stale push keeps its discount. Contributions are held as they arrived (their payloads, checked
 at push time: checksum, finiteness and norm, none of which decodes a quantized payload), and the close
@@ -50,6 +57,18 @@ them (`rounds.jsonl`: `syncer/app.py`, `inprocess.py`).
 Downlink: `syncer/downlink.py` (reference-tracking deltas from the version the round's contributors
 hold, epochs). The core draws a new epoch when it is created and on every `load_state_dict`.
 
+Lifetimes and versions. The core keeps the history of the lifetimes (epochs) its global model went through
+(`protocol.EpochRecord`: the rounds each began from and its version offset), checkpointed with the state,
+and answers it with every join, so that a learner can tell, after a restart, which of its pushes and which
+of its bases the restored model still holds (docs/operations.md, "Recovery"). A push based on another
+epoch's numbering is refused ("epoch"): the learner recovers first. A restored core numbers its versions
+from at least the highest version it ever published (`attach_journal`), so versions never go backwards.
+
+Journal. With `attach_journal`, every change of versions or counters is handed, under the lock and in
+order, to a journal (`syncer/checkpoint.py`): versions before any learner can see them, and the counters
+that must survive a kill -9 (bytes, joins, rejections, ...). Counters that describe the global model
+(rounds, contributions and tokens merged) come from the checkpoint: the merges a crash lost are counted
+again when the learners push that work again.
 Identity. Learner ids lie in [0, num_learners): any call naming another id is refused ("learner_id").
 Members whose lease lapsed (or that left) more than `lease_s` ago are pruned, and `status` shows at most
 `STATUS_MEMBERS` members in detail (with counts of all), so membership and the status reply stay bounded.
@@ -103,13 +122,18 @@ from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import config as config_lib
 from diloco_jax import outer
-from diloco_jax.protocol import REASONS, Published, Push, PushReceipt, Rejected, shorten
+from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
 log = logging.getLogger(__name__)
 
 _T_SYNC_EMA = 0.2  # weight of the newest t_sync measurement
+MAX_HISTORY = 64  # lifetimes kept in the history (older ones: their learners rebase, see operations.md)
+# Counters that describe the global model: restored with it from a checkpoint. Every other counter is a
+# running total of events, kept across restarts by the journal.
+MODEL_COUNTERS = ("rounds", "contributions_merged", "contributions_late", "tokens_merged",
+                  "tokens_merged_by_fragment")
 NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
 NORM_WARMUP = 4  # accepted norms needed before the median is the reference
 NORM_FLOOR = 1e-3  # the median reference never falls below this times the global fragment's norm
@@ -139,6 +163,8 @@ class SyncerSettings:
   lease_s: float = 30.0
   fingerprint: str = ""
   scale_partial_rounds: bool = False
+  # A learner without progress for this long (plus one of its steps) stops counting toward quorums.
+  stall_s: float = math.inf
   merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
   num_learners: int = 1  # learner ids lie in [0, num_learners)
   # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
@@ -165,6 +191,8 @@ class SyncerSettings:
       raise ValueError(f"outer.staleness_beta must be >= 0, got {self.staleness_beta}")
     if self.lease_s <= 0:
       raise ValueError(f"outer.lease_s must be > 0, got {self.lease_s}")
+    if not self.stall_s > 0:
+      raise ValueError(f"outer.stall_s must be > 0, got {self.stall_s}")
     if self.merge_threads < 1:
       raise ValueError(f"syncer.merge_threads must be >= 1 (0 in a config: this host's cores), got "
                        f"{self.merge_threads}")
@@ -199,6 +227,7 @@ class SyncerSettings:
         lease_s=float(o.lease_s),
         fingerprint=fingerprint,
         scale_partial_rounds=bool(o.scale_partial_rounds),
+        stall_s=config_lib.stall_bound_s(config),
         merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
         num_learners=int(config.learners.num),
         # The largest learner's batch: learners with more devices take more tokens per step.
@@ -214,11 +243,14 @@ class SyncerSettings:
 @dataclasses.dataclass
 class _Member:
   lease_until: float
+  progress_at: float  # when the learner last showed progress (joined, stepped, blocked, pushed)
   step_time_s: float = 0.0
+  step: int = -1  # the learner's inner-step counter in its latest heartbeat (-1: never sent)
+  blocked: bool = False  # its latest heartbeat said it waits on the syncer
   left: bool = False
   expiry_counted: bool = False  # counters["leases_expired"] already counts this lapse
-  step: int | None = None  # the learner's inner step, as its last heartbeat reported it
-  step_at: float | None = None  # clock time of that heartbeat
+  stall_counted: bool = False  # counters["learner_stalls"] already counts this stall
+  step_at: float | None = None  # clock time of the latest heartbeat with a step counter
   last_push: float | None = None  # clock time of its last accepted push
   # Inner steps of its contributions merged since this syncer started, summed over fragments (each
   # fragment's contributions count the same steps: `status` divides by P).
@@ -228,6 +260,12 @@ class _Member:
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
+
+  def progressing(self, now: float, stall_s: float) -> bool:
+    return now - self.progress_at <= stall_s + self.step_time_s
+
+  def counted(self, now: float, stall_s: float) -> bool:
+    return self.live(now) and self.progressing(now, stall_s)
 
 
 @dataclasses.dataclass
@@ -271,7 +309,7 @@ class _Round:
     return list(dict.fromkeys(c.learner_id for c in self.contributions))
 
 
-def _new_counters() -> dict[str, Any]:
+def _new_counters(num_fragments: int) -> dict[str, Any]:
   return {
       "rounds": 0,
       "contributions_merged": 0,
@@ -279,6 +317,8 @@ def _new_counters() -> dict[str, Any]:
       "contributions_rejected": 0,
       "rejected": {r: 0 for r in REASONS},
       "tokens_merged": 0,
+      "tokens_merged_by_fragment": [0] * num_fragments,
+      "contributions_accepted": 0,
       "bytes_in": 0,
       "bytes_out": 0,
       "pulls_full": 0,
@@ -286,11 +326,21 @@ def _new_counters() -> dict[str, Any]:
       "joins": 0,
       "leaves": 0,
       "leases_expired": 0,
+      "learner_stalls": 0,
       "members_pruned": 0,
       "pushes_duplicate": 0,
       "rounds_refused": 0,  # rounds that would have published a non-finite value
       "contributions_dropped": 0,  # the contributions of those rounds
       "tick_errors": 0,  # exceptions the ticker survived
+      # Restarts (attach_journal): lifetimes, and what the crashes took from the global model (merged
+      # rounds and contributions after the restored checkpoint; contributions of open rounds). The learners
+      # push that work again (docs/operations.md, "Recovery").
+      "restarts": 0,
+      "rounds_rolled_back": 0,
+      "contributions_rolled_back": 0,
+      "tokens_rolled_back": 0,
+      "contributions_lost_open": 0,
+      "rounds_closed_at_stop": 0,
   }
 
 
@@ -327,6 +377,21 @@ def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why
   }
 
 
+def _merge_counters(num_fragments: int, *sources: dict) -> dict[str, Any]:
+  """Fresh counters updated by each source in turn (missing keys keep their defaults)."""
+  out = _new_counters(num_fragments)
+  for source in sources:
+    for k, v in source.items():
+      if k == "rejected":
+        out[k].update({r: int(n) for r, n in v.items()})
+      elif k == "tokens_merged_by_fragment":
+        if len(v) == num_fragments:
+          out[k] = [int(n) for n in v]
+      else:
+        out[k] = v
+  return out
+
+
 class SyncerCore:
   """The transport-free syncer; thread-safe. See the module docstring for the rules."""
 
@@ -349,28 +414,28 @@ class SyncerCore:
       if frag.size != settings.sizes[p]:
         raise ValueError(f"initial fragment {p} has {frag.size} elements, expected {settings.sizes[p]}")
       self._globals.append(frag)
+    n = settings.num_fragments
     # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
     self._momenta = [np.zeros_like(g) for g in self._globals]
     # Delayed Nesterov (`outer.delayed_nesterov_step_`): whether a cycle of partial rounds is open (their
     # gradients folded into the momentum vector), and their share of a full round.
-    self._cycle_open = [False] * settings.num_fragments
-    self._pending_shares = [0.0] * settings.num_fragments
-    self._versions = [0] * settings.num_fragments
-    self._rounds = [0] * settings.num_fragments  # index of each fragment's next round to close
-    # Rounds closed when each recent version was published (a round may publish several versions, see
-    # `syncer/downlink.py`): staleness counts rounds, not versions.
-    self._version_round: list[dict[int, int]] = [{0: 0} for _ in range(settings.num_fragments)]
-    self._open: list[_Round | None] = [None] * settings.num_fragments
-    self._t_sync = [0.0] * settings.num_fragments
+    self._cycle_open = [False] * n
+    self._pending_shares = [0.0] * n
+    self._versions = [0] * n
+    self._rounds = [0] * n  # index of each fragment's next round to close (= rounds the model holds)
+    # Rounds closed when each recent version was published: staleness counts rounds.
+    self._version_round: list[dict[int, int]] = [{0: 0} for _ in range(n)]
+    self._open: list[_Round | None] = [None] * n
+    self._t_sync = [0.0] * n
     self._members: dict[int, _Member] = {}
-    self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(settings.num_fragments)]
+    self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
     # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
     # lets a round prove its result finite before writing in place (`outer.apply_round`).
     self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
-    self._momentum_norms = [0.0] * settings.num_fragments
-    self._refused_at = [-1] * settings.num_fragments  # the version a refused round left in place
+    self._momentum_norms = [0.0] * n
+    self._refused_at = [-1] * n  # the version a refused round left in place
     self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
-    self.counters = _new_counters()
+    self.counters = _new_counters(n)
     # Since this core started (not checkpointed; `status` reports them): rounds closed, their distinct
     # contributors and their grace waits (quorum to close), summed.
     self._started = clock()
@@ -379,27 +444,98 @@ class SyncerCore:
                               epoch=new_epoch(), threads=settings.merge_threads, history=settings.downlink_history)
     self._decisions: collections.deque[dict] = collections.deque(maxlen=_MAX_DECISIONS)
     self.decisions_dropped = 0
+    self._history = [EpochRecord(self._downlink.epoch, (0,) * n, (0,) * n)]
+    self._journal: Callable[[dict, bool], None] | None = None
 
   @property
   def epoch(self) -> int:
     """This syncer lifetime's epoch (`syncer/downlink.py`); redrawn by `load_state_dict`."""
     return self._downlink.epoch
 
+  def history(self) -> tuple[EpochRecord, ...]:
+    """The lifetimes of this global model, oldest first, the current one last."""
+    with self._lock:
+      return tuple(self._history)
+
   def max_payload_bytes(self) -> int:
     """The largest valid push payload: the largest fragment in the run's uplink codec."""
     s = self.settings
     return max(codec_lib.encoded_size(n, s.codec, s.block) for n in s.sizes)
 
+  # ---- journal ----
+
+  def journal_record(self) -> dict:
+    """What the journal holds: versions, rounds, epoch and counters, as JSON values."""
+    with self._lock:
+      return self._journal_record_locked()
+
+  def _journal_record_locked(self) -> dict:
+    return {"fingerprint": self.settings.fingerprint, "epoch": self.epoch, "versions": list(self._versions),
+            "rounds": list(self._rounds), "counters": copy.deepcopy(self.counters),
+            "open_contributions": sum(len(r.contributions) for r in self._open if r is not None)}
+
+  def _changed(self, versions: bool = False) -> None:
+    # Called with the lock held after every change worth keeping across a crash; `versions`: the versions
+    # moved (the journal makes them durable before any learner can see them).
+    if self._journal is not None:
+      self._journal(self._journal_record_locked(), versions)
+
+  def attach_journal(self, journal: Callable[[dict, bool], None], record: dict | None = None) -> None:
+    """Start journaling to `journal(record, versions_changed)` (called under the lock), after applying the
+    previous lifetime's last `record` (from `journal`'s file): versions are raised to at least its versions
+    (they never go backwards, even when the checkpoint is older), event counters continue from it, and what
+    the crash lost (rounds merged after the checkpoint, open-round contributions) is counted. Call once,
+    after `load_state_dict` and before serving."""
+    with self._lock:
+      if record is not None:
+        if record.get("fingerprint") != self.settings.fingerprint:
+          raise ValueError(f"journal fingerprint {record.get('fingerprint')!r} != run {self.settings.fingerprint!r}")
+        self._apply_journal_locked(record)
+      self._journal = journal
+      self._changed(versions=True)
+
+  def _apply_journal_locked(self, record: dict) -> None:
+    n = self.settings.num_fragments
+    versions = [int(v) for v in record["versions"]]
+    if len(versions) != n or len(record["rounds"]) != n:
+      raise ValueError(f"journal holds {len(versions)} fragments, this run has {n}")
+    floor = [max(v, f) for v, f in zip(self._versions, versions)]
+    if floor != self._versions:
+      # Renumber this lifetime from the highest version published: nothing was served in it yet.
+      self._versions = floor
+      offsets = tuple(v - r for v, r in zip(floor, self._rounds))
+      self._history[-1] = dataclasses.replace(self._history[-1], version_offsets=offsets)
+      self._downlink = Downlink.renumbered(self._downlink, floor)
+      self._version_round = [{v: r} for v, r in zip(floor, self._rounds)]
+    saved = _merge_counters(n, record.get("counters", {}))
+    model = {k: copy.deepcopy(self.counters[k]) for k in MODEL_COUNTERS}
+    events = {}
+    for k, v in saved.items():
+      if k in MODEL_COUNTERS:
+        continue
+      if k == "rejected":
+        events[k] = {r: max(int(a), int(self.counters["rejected"].get(r, 0))) for r, a in v.items()}
+      else:
+        events[k] = max(v, self.counters.get(k, 0))
+    self.counters = _merge_counters(n, events, model)
+    c = self.counters
+    c["restarts"] += 1
+    c["rounds_rolled_back"] += max(0, sum(int(r) for r in record["rounds"]) - sum(self._rounds))
+    c["contributions_rolled_back"] += max(0, saved["contributions_merged"] - model["contributions_merged"])
+    c["tokens_rolled_back"] += max(0, saved["tokens_merged"] - model["tokens_merged"])
+    c["contributions_lost_open"] += int(record.get("open_contributions", 0))
   def count(self, name: str, n: int = 1) -> None:
     """Add to one of `counters` (e.g. "tick_errors", counted by the ticker)."""
     with self._lock:
       self.counters[name] = self.counters.get(name, 0) + n
+      self._changed()
 
   # ---- identity ----
 
   def _refuse(self, reason: str, message: str) -> Rejected:
-    # Called with the lock held: counts the refusal by reason.
+    # Called with the lock held: counts the refusal by reason (journaled: it survives a kill -9).
     self.counters["rejected"][reason] += 1
+    self._changed()
     return Rejected(reason, message)
 
   def _id_problem(self, learner_id) -> str | None:
@@ -421,8 +557,9 @@ class SyncerCore:
 
   # ---- membership ----
 
-  def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
-    """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version}."""
+  def join(self, learner_id: int, fingerprint: str) -> Versions:
+    """Admit (or re-admit, after a crash or a lapsed lease) a learner; returns {fragment: version} with
+    this core's epoch and history."""
     with self._lock:
       self._check_id_locked(learner_id)
       if fingerprint != self.settings.fingerprint:
@@ -430,7 +567,7 @@ class SyncerCore:
                            f"this syncer serves {self.settings.fingerprint!r} (different run or config)")
       now = self.clock()
       old = self._members.get(learner_id)
-      self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s,
+      self._members[learner_id] = _Member(lease_until=now + self.settings.lease_s, progress_at=now,
                                           step_time_s=old.step_time_s if old else 0.0,
                                           step=old.step if old else None,
                                           step_at=old.step_at if old else None,
@@ -438,7 +575,8 @@ class SyncerCore:
                                           steps_merged=old.steps_merged if old else 0,
                                           period_weights=old.period_weights if old else {})
       self.counters["joins"] += 1
-      return dict(enumerate(self._versions))
+      self._changed()
+      return Versions(enumerate(self._versions), epoch=self.epoch, history=tuple(self._history))
 
   def leave(self, learner_id: int) -> None:
     """The learner stops counting toward quorums at once; its pushes already in still merge."""
@@ -448,11 +586,14 @@ class SyncerCore:
       if member is not None and not member.left:
         member.left = True
         self.counters["leaves"] += 1
+        self._changed()
       self._tick_locked()
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,
+                blocked: bool = False) -> int:
     """Renew the learner's lease (reviving a lapsed one); `step_time_s` > 0 feeds the step-time estimate;
-    `step` (its inner step, if it says) is shown by `status`."""
+    `step` (its inner-step counter; None: not sent; shown by `status`) and `blocked` say whether it makes
+    progress (module docstring, "Progress"). Returns this core's epoch."""
     with self._lock:
       self._check_id_locked(learner_id)
       member = self._members.get(learner_id)
@@ -461,20 +602,34 @@ class SyncerCore:
                        "joined, or pruned after its lease lapsed): join again")
       if member.left:
         raise Rejected("not_member", f"learner {learner_id} left; join again")
-      member.lease_until = self.clock() + self.settings.lease_s
+      now = self.clock()
+      member.lease_until = now + self.settings.lease_s
       member.expiry_counted = False
       if step_time_s > 0:
         member.step_time_s = float(step_time_s)
+      if step is None or step != member.step or blocked:
+        member.progress_at = now
+        member.stall_counted = False
       if step is not None:
-        member.step, member.step_at = int(step), self.clock()
+        member.step, member.step_at = int(step), now
+      member.blocked = bool(blocked)
       self._tick_locked()
+      return self.epoch
 
   def live_learners(self) -> list[int]:
     with self._lock:
       return self._live(self.clock())
 
+  def counted_learners(self) -> list[int]:
+    """The live learners that make progress: those rounds wait for."""
+    with self._lock:
+      return self._counted(self.clock())
+
   def _live(self, now: float) -> list[int]:
     return sorted(i for i, m in self._members.items() if m.live(now))
+
+  def _counted(self, now: float) -> list[int]:
+    return sorted(i for i, m in self._members.items() if m.counted(now, self.settings.stall_s))
 
   # ---- pushes ----
 
@@ -516,6 +671,10 @@ class SyncerCore:
       raise self._reject("not_member", f"learner {push.learner_id} is not a live member: {why}")
     if not 0 <= push.fragment < s.num_fragments:
       raise self._reject("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
+    if push.base_epoch not in (0, self.epoch):
+      raise self._reject("epoch", f"base_version {push.base_version} is numbered by syncer epoch "
+                         f"{push.base_epoch}, this syncer's epoch is {self.epoch}: it restarted; join again and "
+                         "recover (docs/operations.md)")
     if push.codec != s.codec:
       raise self._reject("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
     want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
@@ -583,6 +742,8 @@ class SyncerCore:
       receipt = self._seen_locked(push)  # the same key may have been accepted meanwhile (a retry)
       if receipt is not None:
         return receipt
+      # The state may have changed while we checked (a restore): validate again, cheaply.
+      self._validate_locked(push)
       p = push.fragment
       if s.max_norm_ratio > 0:
         reference, what = self._norm_reference_locked(p)
@@ -602,30 +763,35 @@ class SyncerCore:
                                                        weight_tokens, key))
       if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
         self._norms[p].append(norm)
+      member = self._members[push.learner_id]
+      member.progress_at, member.stall_counted = now, False  # it stepped to get here
+      member.last_push = now
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
-      member = self._members[push.learner_id]
-      member.last_push = now
       member.period_weights[p] = float(outer.raw_weights([weight_tokens], [weight_steps], s.merge_rule)[0])
+      self.counters["contributions_accepted"] += 1
       # The open round publishes the next version: that one merges this push.
-      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, version=self._versions[p] + 1)
+      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, epoch=self.epoch,
+                            version=self._versions[p] + 1)
       if key is not None:
         keys = self._keys.setdefault(push.learner_id, collections.OrderedDict())
         keys[key] = _KeyRecord(push.checksum, receipt)
         while len(keys) > KEYS_PER_LEARNER:
           keys.popitem(last=False)
+      self._changed()
       self._tick_locked()
       return receipt
 
   # ---- rounds ----
 
   def tick(self) -> list[int]:
-    """Note lapsed leases and close every round whose time has come; returns the fragments committed."""
+    """Note lapsed leases and stalls, and close every round whose time has come; returns the fragments
+    committed."""
     with self._lock:
       return self._tick_locked()
 
   def _step_time(self, now: float) -> float:
-    return estimate_step_time([self._members[i].step_time_s for i in self._live(now)])
+    return estimate_step_time([self._members[i].step_time_s for i in self._counted(now)])
 
   def _learner_step_time(self, learner_id: int, fallback: float) -> float:
     member = self._members.get(learner_id)
@@ -640,25 +806,31 @@ class SyncerCore:
 
   def _tick_locked(self) -> list[int]:
     now = self.clock()
+    noted = False
     for m in self._members.values():
       if not m.left and not m.live(now) and not m.expiry_counted:
-        m.expiry_counted = True
+        m.expiry_counted = noted = True
         self.counters["leases_expired"] += 1
+      if m.live(now) and not m.progressing(now, self.settings.stall_s) and not m.stall_counted:
+        m.stall_counted = noted = True
+        self.counters["learner_stalls"] += 1
     self._prune_locked(now)
-    live = set(self._live(now))
+    if noted:
+      self._changed()
+    counted = set(self._counted(now))
     committed, refused = [], False
     for p, rnd in enumerate(self._open):
       if rnd is None:
         continue
       contributors = rnd.contributors()
       if rnd.deadline is None:
-        k = effective_quorum(self.settings.policy, len(live))
+        k = effective_quorum(self.settings.policy, len(counted))
         if len(contributors) >= k:
-          self._reach_quorum_locked(p, rnd, contributors[:k], live, now)
+          self._reach_quorum_locked(p, rnd, contributors[:k], counted, now)
       if rnd.deadline is None:
         continue
-      if now >= rnd.deadline or live <= set(contributors):
-        if self._close_locked(p, "all_in" if live <= set(contributors) else "deadline"):
+      if now >= rnd.deadline or counted <= set(contributors):
+        if self._close_locked(p, "all_in" if counted <= set(contributors) else "deadline"):
           committed.append(p)
         else:
           refused = True
@@ -712,7 +884,7 @@ class SyncerCore:
     for c in cs:
       if c.key is not None and c.key in self._keys.get(c.learner_id, {}):
         self._keys[c.learner_id][c.key].settled = True
-    live = self._live(started)
+    live = self._counted(started)
     raw, period, answered = self._coefficients_locked(p, rnd, live)
     staleness = [self._staleness_locked(p, c.base_version) for c in cs]
     coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
@@ -739,6 +911,7 @@ class SyncerCore:
       log.error("fragment %d: round %d refused, its %s would hold non-finite values; dropped %d "
                 "contributions from learners %s; version stays %d", p, self._rounds[p],
                 " and ".join(result.nonfinite), len(cs), rnd.contributors()[:STATUS_IDS], self._versions[p])
+      self._changed()
       return False
     self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
     self._pending_shares[p], self._cycle_open[p] = pending_share, not full
@@ -753,12 +926,15 @@ class SyncerCore:
       del seen[next(iter(seen))]  # the oldest: versions are inserted in increasing order
     took = self.clock() - started
     self._t_sync[p] = took if self._t_sync[p] == 0.0 else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
+    tokens = int(sum(c.tokens for c in cs))
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
-    self.counters["tokens_merged"] += int(sum(c.tokens for c in cs))
+    self.counters["tokens_merged"] += tokens
+    self.counters["tokens_merged_by_fragment"][p] += tokens
     self._since_start["rounds"] += 1
     self._since_start["contributors"] += len(rnd.contributors())
-    self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
+    if rnd.quorum_at is not None:  # a round closed at a stop may not have reached its quorum
+      self._since_start["grace_wait_s"] += max(started - rnd.quorum_at, 0.0)
     for c in cs:
       if c.learner_id in self._members:
         self._members[c.learner_id].steps_merged += c.steps
@@ -766,7 +942,20 @@ class SyncerCore:
       self.decisions_dropped += 1
     self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness, coefficients, period,
                                            answered, took, share))
+    self._changed(versions=True)  # durable before a learner can see the new version
     return True
+
+  def close_open_rounds(self) -> list[int]:
+    """Close every open round now, whatever its quorum (a syncer stopping: its contributions are merged
+    rather than dropped); returns the fragments committed (a round refused as non-finite is not)."""
+    with self._lock:
+      due = [p for p, rnd in enumerate(self._open) if rnd is not None]
+      committed = [p for p in due if self._close_locked(p, "stop")]
+      self.counters["rounds_closed_at_stop"] += len(committed)
+      if due:
+        self._changed()
+        self._cond.notify_all()
+      return committed
 
   def drain_decisions(self) -> list[dict]:
     """The decision records of the rounds closed since the last call (oldest first), removed from the
@@ -782,7 +971,7 @@ class SyncerCore:
       return [g.copy() for g in self._globals]
 
   def rounds_closed(self) -> int:
-    """Rounds closed so far over all fragments."""
+    """Rounds closed so far over all fragments, in the history of the current model."""
     with self._lock:
       return sum(self._rounds)
 
@@ -793,7 +982,8 @@ class SyncerCore:
 
   def next_deadline(self) -> float | None:
     """When `tick` should next run (clock time), or None if no round is open. Before a round's quorum,
-    that is the next lease expiry (a lapse can lower the effective quorum or complete 'everyone live')."""
+    that is the next lease expiry or stall (either can lower the effective quorum or complete 'everyone
+    counted')."""
     with self._lock:
       return self._next_deadline_locked()
 
@@ -801,7 +991,12 @@ class SyncerCore:
     now = self.clock()
     times = [r.deadline for r in self._open if r is not None and r.deadline is not None]
     if any(r is not None and r.deadline is None for r in self._open):
-      times += [m.lease_until for m in self._members.values() if m.live(now)]
+      stall_s = self.settings.stall_s
+      for m in self._members.values():
+        if m.live(now):
+          times.append(m.lease_until)
+          if m.progressing(now, stall_s) and math.isfinite(stall_s):
+            times.append(m.progress_at + stall_s + m.step_time_s)
     return min(times) if times else None
 
   # ---- pulls ----
@@ -829,6 +1024,7 @@ class SyncerCore:
           published = self._downlink.answer(fragment, min(min_version, version), have_version, have_epoch)
           self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
+          self._changed()
           return published
         remaining = give_up - time.monotonic()
         if remaining <= 0:
@@ -853,6 +1049,7 @@ class SyncerCore:
     """
     with self._lock:
       now = self.clock()
+      stall_s = self.settings.stall_s
       uptime = now - self._started
       provisioned = max(self.settings.num_learners, len(self._members)) * uptime
       useful = sum(m.steps_merged * m.step_time_s for m in self._members.values()) / self.settings.num_fragments
@@ -868,10 +1065,12 @@ class SyncerCore:
           "num_learners": self.settings.num_learners,
           "goodput_estimate": useful / provisioned if provisioned > 0 else 0.0,
           "live": live[:STATUS_IDS],
+          "counted": self._counted(now)[:STATUS_IDS],
           "member_count": {"total": len(self._members), "live": len(live), "shown": len(shown)},
           "members": {str(i): {"live": m.live(now), "left": m.left, "step_time_s": m.step_time_s,
                                "lease_left_s": max(m.lease_until - now, 0.0), "step": m.step,
                                "step_ago_s": None if m.step_at is None else now - m.step_at,
+                               "blocked": m.blocked, "progressing": m.progressing(now, stall_s),
                                "last_push_ago_s": None if m.last_push is None else now - m.last_push,
                                "steps_merged": m.steps_merged / self.settings.num_fragments}
                       for i, m in ((i, self._members[i]) for i in sorted(shown))},
@@ -884,17 +1083,18 @@ class SyncerCore:
                           for p, r in enumerate(self._open) if r is not None},
           "step_time_s": self._step_time(now),
           "t_sync_s": list(self._t_sync),
+          "history": [dataclasses.asdict(h) for h in self._history[-8:]],
           "counters": copy.deepcopy(self.counters),
       }
 
   def state_dict(self) -> dict:
     """What a syncer checkpoint holds: global fragments, their Nesterov momenta, versions, round
-    numbers and counters (copies), and with a delta downlink the references R and the latest deltas (so a
-    restored syncer serves learners the same bytes; under a new epoch, see `load_state_dict`). Not
-    included: the epoch, membership (learners rejoin after a
-    restart) and the contributions of open rounds, which are dropped; their learners' next pushes carry
-    that progress on (their deltas are measured from their base), so only the steps in dropped pushes are
-    lost."""
+    numbers, the lifetime history (this lifetime included), counters (copies), the idempotency keys of
+    settled pushes, and with a delta downlink the references R and the latest deltas (so a restored syncer
+    serves learners the same bytes; under a new epoch, see `load_state_dict`). Not included: membership
+    (learners rejoin after a restart) and the contributions of open rounds, which a restore drops (a
+    stopping syncer closes them first, `close_open_rounds`); their learners push that work again
+    (docs/operations.md, "Recovery")."""
     with self._lock:
       return {
           "fragments": [g.copy() for g in self._globals],
@@ -907,10 +1107,11 @@ class SyncerCore:
           "t_sync": list(self._t_sync),
           "counters": copy.deepcopy(self.counters),
           "fingerprint": self.settings.fingerprint,
+          "history": [[h.epoch, list(h.start_rounds), list(h.version_offsets)] for h in self._history],
           # Idempotency keys of settled contributions, whose effect this state holds: [learner,
-          # incarnation, sequence, checksum, fragment, round, late, version].
+          # incarnation, sequence, checksum, fragment, round, late, epoch that accepted it, version].
           "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late,
-                         r.receipt.version]
+                         r.receipt.epoch, r.receipt.version]
                         for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
           **self._downlink.state_dict(),
       }
@@ -918,10 +1119,11 @@ class SyncerCore:
   def load_state_dict(self, state: dict) -> None:
     """Restore from `state_dict()`; drops any open rounds (see `state_dict`). Members are kept.
 
-    Draws a new `epoch`: the checkpoint may be older than what learners hold, and its versions will be
-    reached again with other references (module docstring, "Epochs").
+    Draws a new `epoch` and appends it to the history: the checkpoint may be older than what learners
+    hold, and its versions will be reached again with other references (module docstring, "Epochs").
     """
     s = self.settings
+    n = s.num_fragments
     if state["fingerprint"] != s.fingerprint:
       raise ValueError(f"checkpoint fingerprint {state['fingerprint']!r} != run {s.fingerprint!r}")
     fragments = [np.array(f, np.float32).reshape(-1) for f in state["fragments"]]
@@ -937,30 +1139,34 @@ class SyncerCore:
       raise ValueError(f"checkpoint cycle state has {len(cycle_open)} / {len(pending_shares)} entries for "
                        f"{s.num_fragments} fragments")
     versions = [int(v) for v in state["versions"]]
-    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, new_epoch(),
+    rounds = [int(r) for r in state["rounds"]]
+    epoch = new_epoch()
+    downlink = Downlink.restore(state, s.sizes, s.downlink_codec, s.block, fragments, versions, epoch,
                                 threads=s.merge_threads, history=s.downlink_history)
+    history = [EpochRecord(int(e), tuple(int(x) for x in starts), tuple(int(x) for x in offsets))
+               for e, starts, offsets in state.get("history") or ()]
+    history = history[-(MAX_HISTORY - 1):] + [
+        EpochRecord(epoch, tuple(rounds), tuple(v - r for v, r in zip(versions, rounds)))]
     with self._lock:
       self._globals = fragments
       self._momenta = momenta
       self._cycle_open, self._pending_shares = cycle_open, pending_shares
       self._versions = versions
       self._downlink = downlink
-      self._rounds = [int(r) for r in state["rounds"]]
+      self._history = history
+      self._rounds = rounds
       self._version_round = [{v: r} for v, r in zip(self._versions, self._rounds)]
       self._t_sync = [float(t) for t in state["t_sync"]]
-      counters = _new_counters()
-      for k, v in state["counters"].items():
-        counters[k] = {r: int(n) for r, n in v.items()} if k == "rejected" else v
-      counters["rejected"] = {**_new_counters()["rejected"], **counters["rejected"]}
-      self.counters = counters
-      self._open = [None] * s.num_fragments
+      self.counters = _merge_counters(n, state["counters"])
+      self._open = [None] * n
       self._global_norms, self._momentum_norms = global_norms, momentum_norms
-      self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(s.num_fragments)]
-      self._refused_at = [-1] * s.num_fragments
+      self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
+      self._refused_at = [-1] * n
       self._keys = {}
-      for i, incarnation, sequence, checksum, fragment, rnd, late, *version in state.get("push_keys", []):
+      for row in state.get("push_keys", []):
+        i, incarnation, sequence, checksum, fragment, rnd, late = row[:7]
         receipt = PushReceipt(fragment=int(fragment), round=int(rnd), late=bool(late),
-                              version=int(version[0]) if version else -1)
+                              epoch=int(row[7]) if len(row) > 7 else 0, version=int(row[8]) if len(row) > 8 else -1)
         self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
             _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()

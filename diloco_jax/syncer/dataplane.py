@@ -179,7 +179,7 @@ class DataPlaneServer:
       payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
       push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
                   base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec, payload=payload,
-                  checksum=h.checksum, incarnation=h.incarnation, sequence=h.sequence)
+                  checksum=h.checksum, incarnation=h.incarnation, sequence=h.sequence, base_epoch=h.base_epoch)
       receipt = self.servicer.core.push(push)
     finally:
       self._push_slots.release(caller)
@@ -187,7 +187,7 @@ class DataPlaneServer:
     self.servicer._count("push_bytes", total)
     self.servicer._count("data_pushes")
     response = pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
-                               version=receipt.version)
+                               epoch=receipt.epoch, version=receipt.version)
     conn.sendall(wire.reply(wire.OK, response.SerializeToString()))
 
   def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:
@@ -229,7 +229,8 @@ class DataPlaneServer:
 
   def _answer(self, conn, r, published, deadline: float) -> None:
     if published is None:
-      conn.sendall(wire.reply(wire.OK, pb.PullHeader(found=False, fragment=r.fragment).SerializeToString()))
+      conn.sendall(wire.reply(wire.OK, pb.PullHeader(found=False, fragment=r.fragment,
+                                                       epoch=self.servicer.core.epoch).SerializeToString()))
       return
     h = pb.PullHeader(found=True, fragment=published.fragment, version=published.version, codec=published.codec,
                       checksum=published.checksum, total_size=len(published.payload), epoch=published.epoch)

@@ -16,11 +16,11 @@ by at most one quantization error of one delta instead of drifting.
 The parent. With every learner in every round (K = M) each learner holds R_{v-1} when it waits for v, and
 parent(v) = v - 1. With a smaller quorum the global moves several times between two syncs of one
 learner, and a learner waits for the version that merges its own push while holding the version it last
-adopted, several behind. So a round is published from the versions its contributors hold (the base
-versions of its pushes), provided their references are still kept: once per distinct base, as
-consecutive versions carrying the same new global (the most held base last, so it is the latest). Each
-learner gets one delta per sync, as under K = M, not the full fragment or a chain; a round whose
-contributors all hold one version publishes one version. The syncer keeps the references of its last
+adopted, several behind. So a round is published as a delta from the version its contributors hold (the
+base version of its pushes, the one most of them hold if they differ), provided its reference is still
+kept. Each contributor holding it gets one delta per sync, as under K = M, not the full fragment or a
+chain; one holding another version gets the full fragment. A round publishes exactly one version (the
+recovery protocol names versions as a lifetime's rounds plus an offset). The syncer keeps the references of its last
 `history` versions (memory: `history` + 1 fragments per fragment, one of them a spare reused by the next
 commit; with 1, only the latest is kept, updated in place, and every round is one delta from it).
 
@@ -83,10 +83,11 @@ class Downlink:
     self._answers = BufferPool(ANSWER_POOL_BYTES)
 
   def parents(self, p: int, held: Sequence[int] = ()) -> list[int]:
-    """The versions a round's publication starts from: every distinct one of `held` (its pushes' base
-    versions) whose reference is kept, the most held last (ties: the newest last); else the latest."""
+    """The version a round's publication starts from: the one of `held` (its pushes' base versions) whose
+    reference is kept that most of them hold (ties: the newest); else the latest. One per round: a
+    syncer's versions are its rounds plus an offset fixed per lifetime (`protocol.EpochRecord`)."""
     counts = collections.Counter(v for v in held if v in self._refs[p])
-    return sorted(counts, key=lambda v: (counts[v], v)) or [self._versions[p]]
+    return sorted(counts, key=lambda v: (counts[v], v))[-1:] or [self._versions[p]]
 
   def commit(self, p: int, version: int, theta: np.ndarray, held: Sequence[int] = ()) -> int:
     """Publish fragment p's new global `theta` from `version` on; `held`: the base versions of the round's
@@ -157,6 +158,18 @@ class Downlink:
                                            "payload": np.frombuffer(d.payload, np.uint8).copy()}
                    for d in latest],
     }
+
+  @classmethod
+  def renumbered(cls, old: "Downlink", versions: Sequence[int]) -> "Downlink":
+    """`old`'s references, epoch and codec, published under new `versions` (a restored syncer raised to
+    the versions its previous lifetime published). Its deltas are dropped: they name the old numbers."""
+    out = cls.__new__(cls)
+    out.__dict__.update(old.__dict__)  # the same arrays (`old` is dropped): no second copy of the references
+    n = len(old.sizes)
+    out._refs = [{int(v): old._refs[p][old._versions[p]]} for p, v in enumerate(versions)]
+    out._versions = [int(v) for v in versions]
+    out._deltas, out._full, out._spare = [{} for _ in range(n)], [None] * n, [None] * n
+    return out
 
   @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],

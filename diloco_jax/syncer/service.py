@@ -274,7 +274,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._admit(self._caller(context, request.learner_id))
     versions = self.core.join(request.learner_id, request.fingerprint)
     self._count("joins")
-    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()}, data_port=self.data_port)
+    history = [pb.Lifetime(epoch=h.epoch, start_rounds=h.start_rounds, version_offsets=h.version_offsets)
+               for h in getattr(versions, "history", ())]
+    return pb.JoinResponse(versions={int(k): int(v) for k, v in versions.items()}, data_port=self.data_port,
+                           epoch=getattr(versions, "epoch", 0), history=history)
 
   @_rpc(pb.LeaveResponse)
   def Leave(self, request, context):
@@ -293,8 +296,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     step = request.step if request.HasField("step") else None
     if step is not None and not 0 <= step < _MAX_STEP:
       raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"step must be in [0, {_MAX_STEP}), got {step}")
-    self.core.heartbeat(request.learner_id, step_time, step=step)
-    return pb.HeartbeatResponse()
+    epoch = self.core.heartbeat(request.learner_id, step_time, step=step, blocked=bool(request.blocked))
+    return pb.HeartbeatResponse(epoch=int(epoch or 0))
 
   @_rpc(pb.StatusResponse)
   def Status(self, request, context):
@@ -344,12 +347,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
                 base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec,
                 payload=payload.finish(), checksum=h.checksum, incarnation=h.incarnation,
-                sequence=h.sequence)
+                sequence=h.sequence, base_epoch=h.base_epoch)
     receipt = self.core.push(push)
     self._count("pushes")
     self._count("push_bytes", total)
     return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
-                           version=receipt.version)
+                           epoch=receipt.epoch, version=receipt.version)
 
   @_rpc(None)
   def Pull(self, request, context):
@@ -371,7 +374,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     have_epoch = request.have_epoch if request.HasField("have_epoch") else 0
     published = self.core.pull(request.fragment, request.min_version, 0.0, have_version, have_epoch)
     if published is None and timeout <= 0:
-      return iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment))])
+      return iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment,
+                                                     epoch=self.core.epoch))])
     # The slot is held through the long-poll wait and the chunk stream (released when the stream ends).
     self._pull_slots.acquire(caller)
     stream = self._watch.watch(context)
@@ -391,7 +395,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       self._pull_slots.release(caller)
       raise
     if published is None:
-      answer = iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment))])
+      answer = iter([pb.PullChunk(header=pb.PullHeader(found=False, fragment=request.fragment,
+                                                       epoch=self.core.epoch))])
     else:
       self._count("pulls")
       self._count("pull_bytes", len(published.payload))

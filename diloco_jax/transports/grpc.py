@@ -6,11 +6,12 @@ does not know which one it holds. Calls block; the worker calls them, never the 
 * Retries: while the syncer is unreachable or busy a call is retried with exponential backoff and jitter,
   and fails with `SyncerUnreachable` only after `unreachable_deadline_s` (a syncer restart from a
   checkpoint takes seconds to minutes; learners keep training meanwhile). Retried: UNAVAILABLE (down,
-  restarting, network gone), RESOURCE_EXHAUSTED (rate limit, long-call slots full; not an oversize
-  payload), DEADLINE_EXCEEDED (an attempt that took longer than `call_timeout_s`) and CANCELLED (a stream
-  the syncer cut, or a syncer stopping) unless this client was closed. Every call may be repeated: pushes
-  carry an idempotency key, so a retried push is merged once. Other failures are not retried: a refusal
-  by the core is re-raised as the core's `Rejected` with the same reason, a bad token as `AuthError`.
+  restarting, network gone; also an emulated link that is cut off), RESOURCE_EXHAUSTED (rate limit,
+  long-call slots full; not an oversize payload), DEADLINE_EXCEEDED (an attempt that took longer than
+  `call_timeout_s`) and CANCELLED (a stream the syncer cut, or a syncer stopping) unless this client was
+  closed. Every call may be repeated: pushes carry an idempotency key, so a retried push is merged once.
+  Other failures are not retried: a refusal by the core is re-raised as the core's `Rejected` with the
+  same reason, a bad token as `AuthError`.
 * `close()` ends the calls in flight and any retry wait at once (they raise `SyncerUnreachable`): a
   learner shutting down is never held by the network.
 * Byte counters: `bytes_sent` / `bytes_received` count every gRPC message of every call, exactly as
@@ -18,7 +19,8 @@ does not know which one it holds. Calls block; the worker calls them, never the 
   HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed call
   headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers. Retried
   attempts count again: they crossed the wire again.
-* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in.
+* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in, and, with a cut-off
+  file, drops calls while the link is down (retried as if the syncer were unreachable), on either plane.
 * Data plane: when the syncer's Join names a data port (`syncer/dataplane.py`, framing in `wire.py`),
   push and pull payloads travel over a raw TCP connection to it (TLS with the same certificates when the
   channel has them; the token proven by an HMAC of the server's nonce), at socket speed, counted byte for
@@ -47,8 +49,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from diloco_jax import wire
-from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, ProtocolError, Published, Push, PushReceipt
-from diloco_jax.protocol import Reassembler, Rejected, chunks, shorten
+from diloco_jax.protocol import REASON_METADATA_KEY, REASONS, EpochRecord, ProtocolError, Published, Push
+from diloco_jax.protocol import PushReceipt, Reassembler, Rejected, Versions, chunks, shorten
 from diloco_jax.proto import diloco_pb2 as pb
 from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.transports import wan as wan_lib
@@ -99,6 +101,23 @@ def _retryable(e: grpc.RpcError) -> bool:
     details = (e.details() if hasattr(e, "details") else "") or ""
     return _reason(e) != "oversize" and "larger than max" not in details
   return True
+
+
+class _LinkDownError(grpc.RpcError):
+  """An emulated WAN link that is cut off (`wan.LinkDown`), shaped like an UNAVAILABLE call: retried."""
+
+  def __init__(self, message: str):
+    super().__init__(message)
+    self._message = message
+
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+  def details(self):
+    return self._message
+
+  def trailing_metadata(self):
+    return ()
 
 
 class _DataPlaneRefusal(grpc.RpcError):
@@ -185,7 +204,12 @@ class GrpcTransport:
                ("grpc.max_send_message_length", max_message_bytes),
                # A connection of its own (not shared with other clients of this process): the syncer
                # tells callers apart by their connection.
-               ("grpc.use_local_subchannel_pool", 1)]
+               ("grpc.use_local_subchannel_pool", 1),
+               # The channel's own reconnect backoff (default: up to 120 s) must not outlast ours: a
+               # restarted syncer is reached within max_backoff_s of serving again.
+               ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+               ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+               ("grpc.max_reconnect_backoff_ms", max(1, int(max_backoff_s * 1000)))]
     if tls_ca or tls_cert:
       read = lambda p: pathlib.Path(p).read_bytes() if p else None
       creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
@@ -206,8 +230,9 @@ class GrpcTransport:
     (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
     c = config.comms
     wan = None
-    if c.wan_gbps > 0 or c.wan_latency_ms > 0:
-      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms))
+    cutoff = str(c.cutoff_file).replace("{learner}", str(learner_id))
+    if c.wan_gbps > 0 or c.wan_latency_ms > 0 or cutoff:
+      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms), cutoff_file=cutoff)
     return cls(target, token, learner_id, wan=wan, chunk_bytes=int(c.chunk_kb) * 1024,
                max_message_bytes=int(config.syncer.max_message_mb) << 20,
                unreachable_deadline_s=float(c.unreachable_deadline_s), backoff_s=float(c.backoff_s),
@@ -241,6 +266,11 @@ class GrpcTransport:
       self.wan.receive(n, first=first)
     return msg
 
+  def _arrived(self) -> None:
+    # An idempotent answer is lost if the emulated link went down while it travelled (retried).
+    if self.wan is not None:
+      self.wan.check_link()
+
   # --- retries and error translation ----------------------------------------------------------------------
 
   def _call(self, name: str, attempt: Callable[[float], object]):
@@ -251,10 +281,14 @@ class GrpcTransport:
       if self._closed.is_set():
         raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed")
       try:
+        if self.wan is not None:
+          self.wan.check_link()
         return attempt(self.call_timeout_s)
-      except grpc.RpcError as e:
+      except (grpc.RpcError, wan_lib.LinkDown) as e:
         if self._closed.is_set():
           raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None
+        if isinstance(e, wan_lib.LinkDown):
+          e = _LinkDownError(str(e))
         if not _retryable(e):
           raise self._translate(name, e) from None
         code = e.code()
@@ -288,8 +322,12 @@ class GrpcTransport:
     def attempt(timeout):
       self._out(request, True)
       response = self._in(self._stub.Join(request, timeout=timeout, metadata=self._metadata), True)
+      self._arrived()
       self.data_port = int(response.data_port) if self._use_data_plane else 0
-      return {int(k): int(v) for k, v in response.versions.items()}
+      history = tuple(EpochRecord(int(h.epoch), tuple(int(x) for x in h.start_rounds),
+                                  tuple(int(x) for x in h.version_offsets)) for h in response.history)
+      return Versions({int(k): int(v) for k, v in response.versions.items()}, epoch=int(response.epoch),
+                      history=history)
 
     return self._call("join", attempt)
 
@@ -304,18 +342,22 @@ class GrpcTransport:
 
     self._call("leave", attempt)
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
-    """Renew the lease, reporting the recent inner-step time (and the inner step, if given)."""
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,
+                blocked: bool = False) -> int:
+    """Renew the lease, reporting the recent inner-step time, the step counter (None: unknown) and
+    whether the learner waits on the syncer; returns the syncer's epoch."""
     request = pb.HeartbeatRequest(learner_id=learner_id, fingerprint=self.fingerprint or "",
-                                  step_time_s=float(step_time_s))
+                                  step_time_s=float(step_time_s), blocked=bool(blocked))
     if step is not None:
       request.step = int(step)
 
     def attempt(timeout):
       self._out(request, True)
-      self._in(self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata), True)
+      epoch = int(self._in(self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata), True).epoch)
+      self._arrived()
+      return epoch
 
-    self._call("heartbeat", attempt)
+    return self._call("heartbeat", attempt)
 
   def status(self) -> dict:
     """The syncer's status (members, versions, counters; `server`: the service's own counters)."""
@@ -333,7 +375,7 @@ class GrpcTransport:
     header = pb.PushHeader(learner_id=push.learner_id, fingerprint=push.fingerprint, fragment=push.fragment,
                            base_version=push.base_version, steps=push.steps, tokens=push.tokens,
                            codec=push.codec, checksum=push.checksum, total_size=len(push.payload),
-                           incarnation=push.incarnation, sequence=push.sequence)
+                           incarnation=push.incarnation, sequence=push.sequence, base_epoch=push.base_epoch)
 
     def attempt(timeout):
       if self.data_port:
@@ -344,7 +386,7 @@ class GrpcTransport:
                                  metadata=self._metadata)
       response = self._in(response, True)
       return PushReceipt(fragment=response.fragment, round=response.round, late=response.late,
-                         version=response.version)
+                         epoch=int(response.epoch), version=response.version)
 
     return self._call("push", attempt)
 
@@ -378,6 +420,7 @@ class GrpcTransport:
       if not h.found:
         for _ in stream:  # drain: nothing should follow
           pass
+        self._arrived()
         return None
       if h.kind not in ("", "full", "delta"):
         raise SyncerError(grpc.StatusCode.INTERNAL, f"pull: unknown fragment kind {shorten(h.kind)}")
@@ -388,6 +431,7 @@ class GrpcTransport:
         data = payload.finish()
       except ProtocolError as e:
         raise SyncerError(grpc.StatusCode.DATA_LOSS, f"pull: {e}") from None
+      self._arrived()
       if h.kind == "delta":
         return Published(fragment=h.fragment, version=h.version, codec=h.codec, payload=data,
                          checksum=h.checksum, kind="delta", base_version=h.base_version, epoch=h.epoch)
@@ -423,11 +467,16 @@ class GrpcTransport:
       if op == wire.OP_PUSH:
         wire.send_payload(sock, payload, lambda n: self._data_count_out(n, first=False))
         r = pb.PushResponse.FromString(self._data_reply(sock, name))
-        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, version=r.version)
+        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, epoch=int(r.epoch),
+                           version=r.version)
       sock.settimeout(self.call_timeout_s + wait_s)  # the reply waits for the long-poll
       h = pb.PullHeader.FromString(self._data_reply(sock, name))
       sock.settimeout(self.call_timeout_s)
-      return self._data_pulled(sock, h)
+      pulled = self._data_pulled(sock, h)
+      self._arrived()
+      return pulled
+    except wan_lib.LinkDown:  # the emulated link is down on either plane: retried by `_call`
+      raise
     except (OSError, wire.WireError, ssl.SSLError, ProtocolError, DecodeError) as e:
       if self._closed.is_set():
         raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None

@@ -50,8 +50,8 @@ class InProcessTransport:
         self._received += len(published.payload)
     return published
 
-  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None) -> None:
-    self.core.heartbeat(learner_id, step_time_s, step=step)
+  def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None, blocked: bool = False) -> int:
+    return self.core.heartbeat(learner_id, step_time_s, step=step, blocked=blocked)
 
   def status(self) -> dict:
     return self.core.status()

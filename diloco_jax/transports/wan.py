@@ -13,11 +13,19 @@ syncer -> learner), each with
 The arithmetic (`ratelimit.TokenBucket.reserve`, shared with the syncer's rate limits) is a pure function
 of a clock; `WanLink` only adds the sleeps, so tests drive it with a fake clock or measure it with the real
 one.
+
+Cut-off (chaos testing): with `cutoff_file`, the link is down while that file exists, whichever process
+creates it (`python -m diloco_jax chaos` touches one per learner). A call that starts while the link is
+down, and an idempotent answer (pull, heartbeat, join) that arrives while it is down, are lost
+(`LinkDown`), which the client treats like an unreachable syncer: it retries with backoff. A push receipt
+is not dropped: a push lost after the syncer accepted it would be retried and merged twice, which is the
+duplicate-push problem and not what a cut-off is meant to exercise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from typing import Callable
@@ -33,12 +41,17 @@ class WanSpec:
   down_bytes_per_s: float = 0.0
   latency_s: float = 0.0
   burst_bytes: int = 64 * 1024
+  cutoff_file: str = ""  # the link is down while this file exists ("" = never)
 
   @classmethod
   def from_gbps(cls, gbps: float, latency_ms: float = 0.0, **kw) -> "WanSpec":
     """A symmetric link of `gbps` gigabits/s (0 = unlimited) and `latency_ms` one-way."""
     rate = gbps * 1e9 / 8
     return cls(up_bytes_per_s=rate, down_bytes_per_s=rate, latency_s=latency_ms / 1e3, **kw)
+
+
+class LinkDown(ConnectionError):
+  """The emulated link is cut off (its cut-off file exists)."""
 
 
 class WanLink:
@@ -62,6 +75,11 @@ class WanLink:
       with self._lock:
         self.delay_s += wait
       self._sleep(wait)
+
+  def check_link(self) -> None:
+    """Raise `LinkDown` while the link is cut off."""
+    if self.spec.cutoff_file and os.path.exists(self.spec.cutoff_file):
+      raise LinkDown(f"emulated link cut off ({self.spec.cutoff_file} exists)")
 
   def send(self, nbytes: int, first: bool = False) -> None:
     """Call before a chunk of `nbytes` leaves (first=True on a stream's first message: pays the latency)."""
