@@ -20,25 +20,25 @@ or it pushed, within the last `stall_s` seconds plus one of its own step times. 
 lapses, and counts again with its next heartbeat that shows progress. A heartbeat without a counter
 (step -1) counts as progress (clients that do not send one keep the lease-only rule).
 
-Rounds, per fragment p. A round opens with its first contribution. With L counted learners, it may close once
-`effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
+Rounds, per fragment p. A round opens with its first contribution. With L counted learners, it may close
+once `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
 after the opening); it then stays open for `round_grace_s(policy, offsets, step_times, t_quorum, t_sync)`
 seconds (`syncer/policy.py`, the paper's Eq. 3 per learner): offsets and step times are those of the
 contributors in at the quorum, each learner's step time the robust estimate it reports with its
-heartbeats (the median of its recent steps; a learner that never reported gets the median of the live
+heartbeats (the median of its recent steps; a learner that never reported gets the median of the counted
 learners' reports), and t_sync a running average (EMA) of this fragment's merge + outer step + encode
-time, measured on the same clock. It closes early as soon as every counted learner has contributed. Once the
-quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
+time, measured on the same clock. It closes early as soon as every counted learner has contributed. Once
+the quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
 `c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight of its capped
 claims, below; staleness s_j the rounds closed since the push's base version; W the raw weight of one
 period of every learner the round answers for: with `scale_partial_rounds` every counted learner and every
 contributor, each counted once with the weight of its latest push of this fragment, else only the
 contributors), the merged outer gradient `sum_j c_j v_j` (optionally RDA), and the Nesterov outer step
 with the round's share of a full round (`outer.make_outer_optimizer`: the momentum moves once per full
-share, delayed Nesterov); the new global fragment is published for the downlink (below; one version, or
+share, delayed Nesterov); the new global fragment is published for the downlink as one version (below:
 a delta from the base version most of the round's pushes hold), and waiting pulls are woken. So a round
-holding part of the counted learners' work moves the model by that share of a full round (k/n for equal learners;
-by tokens when their batches differ), a learner that pushed two periods into one round has both summed,
+holding part of the counted learners' work moves the model by that share of a full round (k/n for equal
+learners; by tokens when their batches differ), a learner that pushed two periods into one round has both summed,
 and a lone stale push keeps its discount. Contributions are held as they arrived (their payloads, checked
 at push time: checksum, finiteness and norm, none of which decodes a quantized payload), and the close
 decodes, weighs, sums and steps them in one chunked pass over the fragment (`outer.apply_round`, on

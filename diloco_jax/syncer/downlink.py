@@ -92,7 +92,7 @@ class Downlink:
   def commit(self, p: int, version: int, theta: np.ndarray, held: Sequence[int] = ()) -> int:
     """Publish fragment p's new global `theta` from `version` on; `held`: the base versions of the round's
     pushes (what its contributors hold while they wait for it). Returns how many versions that took: one
-    per distinct base kept (each a delta from it, to the same theta), the most held one last."""
+    (`parents` picks one base)."""
     self._full[p] = None
     refs = self._refs[p]
     if not self.is_delta:
