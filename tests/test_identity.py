@@ -32,6 +32,8 @@ def _averaging_every_step(c, optimizer: str):
   c.outer.lr, c.outer.momentum = 1.0, 0.0
   c.outer.codec = c.outer.downlink_codec = "fp32"
   c.outer.min_quorum = 0
+  # Every round holds every learner: one still compiling its first step is not taken for a stopped one.
+  c.outer.stall_s = 60.0
   return c
 
 
