@@ -36,7 +36,9 @@ def make_trainer(config, workdir: str | None) -> trainer_lib.MeshTrainer:
   """The baseline's trainer: one mesh of all (or `mesh.num_devices`) devices, the whole global batch, read
   in `data.baseline_order`."""
   devices = jax.devices()[: config.mesh.num_devices or None]
-  batches = data_lib.baseline_iterator(config.data, num_learners=config.learners.num, seed=config.seed)
+  batches = data_lib.baseline_iterator(
+      config.data, num_learners=config.learners.num, seed=config.seed,
+      batches=[config_lib.learner_batch(config, k) for k in range(config.learners.num)])
   return trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch,
                                  data_iterator=batches)
 

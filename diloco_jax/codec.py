@@ -14,7 +14,10 @@ Formats (all little-endian; `n` elements, `block` elements per block, `nb = ceil
   byte (element 2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of
   codes, then nb float32 scales. |err| <= scale / 2 per element (same slack).
 
-A block of zeros has scale 0 and decodes to exact zeros. Non-finite inputs are not rejected here: with the
+A block of zeros has scale 0 and decodes to exact zeros. A block whose largest magnitude is tiny (below
+2^-112, where qmax / absmax would overflow float32 or the scale is subnormal) is quantized in float64
+against its stored scale, which is rounded up when float32 rounded it down: the bound is then half that
+stored scale. Non-finite inputs are not rejected here: with the
 quantized formats they poison their block's scale and decode as NaN, so the receiver's finiteness check
 (the syncer's "nonfinite" rejection) catches them in every format.
 """
@@ -229,16 +232,21 @@ def _encode_range(x: np.ndarray, codec: str, block: int, start: int, out: np.nda
   b0 = start // block
   scales = scales_out[b0:b0 + nbc]
   np.divide(absmax, np.float32(qmax), out=scales)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    inv = np.where(absmax > 0, np.float32(qmax) / absmax, np.float32(0)).astype(np.float32)
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # where() keeps only finite results
+    tiny = (absmax > 0) & (absmax < _TINY_ABSMAX)
+    tiny_codes = None
+    if tiny.any():
+      # qmax / absmax would overflow float32 (or the scale is subnormal, coarsely rounded): these rare
+      # blocks are quantized in float64 against their stored scale, rounded up so |x| / scale <= qmax.
+      scales[tiny] = _scales(absmax[tiny], qmax)
+      tiny_codes = np.clip(np.rint(xb[tiny].astype(np.float64) / scales[tiny, None].astype(np.float64)),
+                           -qmax, qmax)
+    inv = np.where(absmax >= _TINY_ABSMAX, np.float32(qmax) / absmax, np.float32(0)).astype(np.float32)
     np.multiply(xb, inv[:, None], out=xb)
     np.rint(xb, out=xb)
     np.clip(xb, -qmax, qmax, out=xb)
-    tiny = np.isinf(inv)
-    if tiny.any():  # absmax below float32's normal range: qmax / absmax overflowed, 0 x inf is NaN
-      rows = xb[tiny]
-      rows[np.isnan(rows)] = 0
-      xb[tiny] = rows
+    if tiny_codes is not None:
+      xb[tiny] = tiny_codes
     if residual is not None:
       dec = buf[half:half + m].reshape(nbc, block)
       np.multiply(xb, scales[:, None], out=dec)
@@ -258,6 +266,22 @@ def _encode_range(x: np.ndarray, codec: str, block: int, start: int, out: np.nda
   np.right_shift(words, 4, out=packed)
   packed |= words
   np.copyto(out[start // 2:start // 2 + nbytes], packed, casting="unsafe")
+
+
+# Below this block absmax the block is quantized in float64 (`_encode_range`): qmax / absmax overflows
+# float32 under about 2^-120, and absmax / qmax is subnormal (coarsely rounded) under about 2^-119.
+_TINY_ABSMAX = np.float32(2.0**-112)
+
+
+def _scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
+  """The float32 scale of each block: absmax / qmax, rounded up where float32 rounded it down (only matters
+  for subnormal scales, whose rounding is coarse), so that |x| / scale <= qmax holds for every element."""
+  exact = absmax.astype(np.float64) / qmax
+  scales = exact.astype(np.float32)
+  low = scales.astype(np.float64) < exact
+  if low.any():
+    scales[low] = np.nextafter(scales[low], np.float32(np.inf))
+  return scales
 
 
 def _new_payload(size: int, codec: str, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -427,6 +451,7 @@ def error_bound(vec: np.ndarray, codec: str, block: int = 64) -> np.ndarray:
     return np.zeros(vec.size)
   if codec == "bf16":
     return np.maximum(np.abs(vec.astype(np.float64)) * 2.0**-8, 2.0**-134)
-  absmax = np.max(np.abs(_blocks(vec, block).astype(np.float64)), axis=1)
-  half_scale = absmax / _QMAX[codec] / 2 * (1 + _ROUNDING_SLACK)
+  absmax = np.max(np.abs(_blocks(vec, block)), axis=1)
+  scale = np.maximum(absmax.astype(np.float64) / _QMAX[codec], _scales(absmax, _QMAX[codec]).astype(np.float64))
+  half_scale = scale / 2 * (1 + _ROUNDING_SLACK)
   return np.repeat(half_scale, block)[:vec.size]

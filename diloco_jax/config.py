@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pathlib
 
@@ -92,6 +93,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.learners = ml_collections.ConfigDict()
   c.learners.num = 4  # M
   c.learners.devices = 2  # devices per learner slice (locally: fake CPU devices)
+  c.learners.device_counts = ()  # per-learner devices, one per learner; () = learners.devices each
+  # Emulated mixed hardware (learner/pace.py): learner i's inner steps are stretched to step_s / speeds[i]
+  # seconds, times a noise factor of mean 1 and coefficient of variation step_cv.
+  c.learners.speeds = ()  # one speed factor per learner; () = all 1 (no emulation unless step_cv > 0)
+  c.learners.step_cv = 0.0
+  c.learners.step_s = 0.0  # a speed-1 learner's step time; 0 = the learner's own measured (median) step
   # A learner spanning several processes is out when one of them is silent this long (learner/group.py).
   c.learners.peer_timeout_s = 60.0
   # The learners' inner optimizer: each field of `train` listed in INNER_FIELDS; None = the rule of
@@ -113,12 +120,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer.downlink_codec = "fp32"  # the global fragments sent back
   c.outer.codec_block = 64
   c.outer.fragment_plan = "strided"
-  c.outer.min_quorum = 0  # K; 0 = every live learner (a dead one stops counting once its lease lapses)
-  c.outer.scale_partial_rounds = True  # a round merged from k of n live learners moves the model k/n as far
+  # K: 1 with the adaptive grace window (the default) never makes a learner wait for another; 0 = every
+  # live learner (K = M: the slowest gates every round; a dead one stops counting once its lease lapses).
+  c.outer.min_quorum = 1
+  c.outer.scale_partial_rounds = True  # a round moves the model by the share of the live learners' work it holds
   c.outer.grace_gamma = 0.5
   c.outer.min_grace_s = 0.0
   c.outer.max_grace_s = 5.0
   c.outer.max_in_flight = 0  # fragments pushed but not yet adopted, per learner; 0: ceil(tau P / H) + 1
+  c.outer.downlink_history = 0  # references kept per fragment for delta downlinks; 0 = 2 x learners.num
   c.outer.lease_s = 30.0  # a learner silent this long leaves the quorum
   c.outer.max_norm_ratio = 10.0  # refuse an outer gradient > this x the fragment's recent median norm (0 = off)
   # A learner whose inner-step counter has not moved for this long (plus one of its steps), unless it
@@ -212,7 +222,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   _validate_inner(t, t.steps, lambda f: f"train.{f}")
   if d.baseline_order not in BASELINE_ORDERS:
     _fail("data.baseline_order", f"must be one of {BASELINE_ORDERS}, got {d.baseline_order!r}")
-  if d.baseline_order == "learner_shards" and c.learners.num >= 1 and d.global_batch % c.learners.num:
+  # (With learners.device_counts, the learners' own shares must divide: `_validate_learner_set`.)
+  if (d.baseline_order == "learner_shards" and c.learners.num >= 1 and not c.learners.device_counts
+      and d.global_batch % c.learners.num):
     _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num}) "
           "for data.baseline_order='learner_shards' (or set it to 'shuffled')")
   axes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
@@ -230,8 +242,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   if learners:
     if c.learners.num < 1:
       _fail("learners.num", f"must be >= 1, got {c.learners.num}")
-    if d.global_batch % c.learners.num:
-      _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num})")
+    _validate_learner_set(c)
     if o.num_fragments < 1:
       _fail("outer.num_fragments", f"must be >= 1, got {o.num_fragments}")
     if o.sync_every < 1:
@@ -258,8 +269,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.max_in_flight", f"must be >= 1, or 0 (what the schedule needs), got {o.max_in_flight}")
     if o.codec_block < 1:
       _fail("outer.codec_block", f"must be >= 1, got {o.codec_block}")
-    if c.learners.devices < 1:
-      _fail("learners.devices", f"must be >= 1, got {c.learners.devices}")
+    if o.downlink_history < 0:
+      _fail("outer.downlink_history", f"must be >= 0 (0: 2 x learners.num), got {o.downlink_history}")
     inner = c.learners.inner
     _validate_inner(learner_train(c), t.steps,
                     lambda f: f"learners.inner.{f}" if inner[f] is not None else f"train.{f} (via learners.inner)")
@@ -273,20 +284,74 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
     if not c.learners.peer_timeout_s > 0:
       _fail("learners.peer_timeout_s", f"must be > 0, got {c.learners.peer_timeout_s}")
   if num_devices is not None:
-    want = c.learners.num * c.learners.devices if learners else (c.mesh.num_devices or num_devices)
-    field = "learners.devices" if learners else "mesh.num_devices"
+    if learners:
+      counts = [learner_devices(c, i) for i in range(c.learners.num)]
+      meshes = [(n, learner_batch(c, i)) for i, n in enumerate(counts)]
+      want = sum(counts)
+      field = "learners.device_counts" if c.learners.device_counts else "learners.devices"
+    else:
+      want = c.mesh.num_devices or num_devices
+      meshes = [(want, d.global_batch)]
+      field = "mesh.num_devices"
     if want > num_devices:
       _fail(field, f"asks for {want} devices but only {num_devices} exist")
-    mesh_devices = c.learners.devices if learners else want
-    try:
-      sizes = mesh_lib.resolve_axis_sizes(axes, mesh_devices)
-    except ValueError as e:
-      _fail("mesh", str(e))
-    batch_ways = sizes["data"] * sizes["fsdp"]  # the batch is split over data and fsdp
-    per_mesh_batch = d.global_batch // (c.learners.num if learners else 1)
-    if per_mesh_batch % batch_ways:
-      _fail("data.global_batch", f"per-mesh batch {per_mesh_batch} does not divide over the "
-            f"data*fsdp axes ({batch_ways} ways)")
+    for mesh_devices, per_mesh_batch in sorted(set(meshes)):
+      try:
+        sizes = mesh_lib.resolve_axis_sizes(axes, mesh_devices)
+      except ValueError as e:
+        _fail("mesh", str(e))
+      batch_ways = sizes["data"] * sizes["fsdp"]  # the batch is split over data and fsdp
+      # Every mesh also evaluates batches of data.global_batch sequences (the same eval set everywhere).
+      for batch, what in ((per_mesh_batch, "per-mesh batch"), (d.global_batch, "eval batch")):
+        if batch % batch_ways:
+          _fail("data.global_batch", f"{what} {batch} does not divide over the data*fsdp axes "
+                f"({batch_ways} ways) of a {mesh_devices}-device mesh")
+
+
+def _validate_learner_set(c: ml_collections.ConfigDict) -> None:
+  """The learners' devices, batch shares and emulated speeds (`learners.*`)."""
+  lc, num = c.learners, c.learners.num
+  if lc.devices < 1:
+    _fail("learners.devices", f"must be >= 1, got {lc.devices}")
+  for field in ("device_counts", "speeds"):
+    values = tuple(lc[field])
+    if values and len(values) != num:
+      _fail(f"learners.{field}", f"needs one value per learner (learners.num={num}) or none, got {len(values)}")
+  for n in lc.device_counts:
+    if not isinstance(n, int) or n < 1:
+      _fail("learners.device_counts", f"must hold integers >= 1, got {tuple(lc.device_counts)}")
+  for v in lc.speeds:
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 100):
+      _fail("learners.speeds", f"must hold numbers in (0, 100], got {tuple(lc.speeds)}")
+  if not 0.0 <= lc.step_cv < 1.0:
+    _fail("learners.step_cv", f"must be in [0, 1), got {lc.step_cv}")
+  if not (math.isfinite(lc.step_s) and lc.step_s >= 0):
+    _fail("learners.step_s", f"must be >= 0 (0: the measured step time), got {lc.step_s}")
+  counts = [learner_devices(c, i) for i in range(num)]
+  if any(c.data.global_batch * n % sum(counts) for n in counts):
+    why = (f"in proportion to learners.device_counts {tuple(counts)}" if lc.device_counts
+           else f"over learners.num ({num})")
+    _fail("data.global_batch", f"({c.data.global_batch}) must divide {why}")
+
+
+def learner_devices(c: ml_collections.ConfigDict, learner_id: int) -> int:
+  """Devices of learner `learner_id`: `learners.device_counts[i]`, else `learners.devices` (also for an id
+  beyond a too-short `device_counts`, which `validate` refuses: callers may size devices before that)."""
+  counts = tuple(c.learners.device_counts)
+  return int(counts[learner_id]) if learner_id < len(counts) else int(c.learners.devices)
+
+
+def learner_batch(c: ml_collections.ConfigDict, learner_id: int) -> int:
+  """Sequences per step of learner `learner_id`: its devices' share of `data.global_batch` (so that all
+  learners together read the global batch per step; equal shares when every learner has the same devices)."""
+  total = sum(learner_devices(c, i) for i in range(c.learners.num))
+  return c.data.global_batch * learner_devices(c, learner_id) // total
+
+
+def learner_speed(c: ml_collections.ConfigDict, learner_id: int) -> float:
+  """The emulated speed factor of learner `learner_id` (1 unless `learners.speeds` says otherwise)."""
+  speeds = tuple(c.learners.speeds)
+  return float(speeds[learner_id]) if speeds else 1.0
 
 
 def _validate_inner(t, steps: int, name) -> None:
@@ -369,5 +434,17 @@ def save_resolved(c: ml_collections.ConfigDict, workdir: str | os.PathLike, run_
 
 
 def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved with `save_resolved` (its fingerprint matches the saved one)."""
-  return ml_collections.ConfigDict(json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text()))
+  """The config a run saved with `save_resolved` (its fingerprint matches the saved one). JSON has no
+  tuples: fields that are tuples in `base_config` (e.g. `learners.speeds`) come back as tuples."""
+  loaded = json.loads((pathlib.Path(workdir) / CONFIG_FILE).read_text())
+
+  def restore(node: dict, template) -> None:
+    for key, value in node.items():
+      want = template.get(key) if isinstance(template, ml_collections.ConfigDict) else None
+      if isinstance(value, dict):
+        restore(value, want)
+      elif isinstance(value, list) and isinstance(want, tuple):
+        node[key] = tuple(value)
+
+  restore(loaded, base_config())
+  return ml_collections.ConfigDict(loaded)

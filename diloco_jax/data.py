@@ -462,23 +462,27 @@ class SideBySide:
       it.set_state(s)
 
 
-def baseline_iterator(data_cfg, *, num_learners: int, seed: int = 0):
+def baseline_iterator(data_cfg, *, num_learners: int, seed: int = 0, batches: Sequence[int] | None = None):
   """The data-parallel baseline's train batches of `data.global_batch` sequences.
 
   With `data.baseline_order = "learner_shards"` (the default) the batch of step s is the M learners'
   batches of step s side by side: learner k's shard iterator (`train_iterator(..., num_shards=M,
-  shard_index=k)`) supplies rows [k b, (k + 1) b) with b = global_batch / M. The baseline then trains on
-  exactly the tokens the Decoupled DiLoCo learners train on, in the same steps, so a comparison of the two
-  differs only in the algorithm. With "shuffled" it is one shuffle of all windows.
+  shard_index=k)`) supplies the next b_k rows, b_k = global_batch / M, or `batches[k]` (the learners' own
+  batch sizes, `config.learner_batch`, when their device counts differ; they sum to global_batch). The
+  baseline then trains on exactly the tokens the Decoupled DiLoCo learners train on, in the same steps, so a
+  comparison of the two differs only in the algorithm. With "shuffled" it is one shuffle of all windows.
   """
   if data_cfg.baseline_order == "shuffled" or num_learners == 1:
     return train_iterator(data_cfg, batch_size=data_cfg.global_batch, seed=seed)
-  if data_cfg.global_batch % num_learners:
+  if not batches and data_cfg.global_batch % num_learners:
     raise ConfigError(f"config.data.global_batch: ({data_cfg.global_batch}) must divide over learners.num "
                       f"({num_learners}) for data.baseline_order='learner_shards'")
-  per = data_cfg.global_batch // num_learners
-  return SideBySide([train_iterator(data_cfg, batch_size=per, num_shards=num_learners, shard_index=k, seed=seed)
-                     for k in range(num_learners)])
+  sizes = list(batches) if batches else [data_cfg.global_batch // num_learners] * num_learners
+  if len(sizes) != num_learners or sum(sizes) != data_cfg.global_batch:
+    raise ConfigError(f"config.data.global_batch: the learners' batches {sizes} must be one per learner "
+                      f"({num_learners}) and sum to {data_cfg.global_batch}")
+  return SideBySide([train_iterator(data_cfg, batch_size=b, num_shards=num_learners, shard_index=k, seed=seed)
+                     for k, b in enumerate(sizes)])
 
 
 def eval_batches(data_cfg, *, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:

@@ -5,16 +5,17 @@ concurrently (one thread each) against the syncer core through the in-process tr
 
 The same learners talk to a separate syncer process over gRPC with `python -m diloco_jax learner` (see
 `local`). On a machine whose only backend is the CPU, the command gives itself the fake CPU devices it
-needs: `learners.num * learners.devices` for the learners and `learners.devices` more for the global
-model's evaluator (an explicit XLA_FLAGS=--xla_force_host_platform_device_count=N wins).
+needs: each learner's devices (`learners.devices`, or `learners.device_counts`) and learner 0's count
+more for the global model's evaluator (an explicit XLA_FLAGS=--xla_force_host_platform_device_count=N wins).
 
 The global model is evaluated every `train.eval_every` steps of progress (tokens merged, in steps of
 `data.global_batch` sequences) by an evaluator thread on devices no learner uses if there are any (else
 the host's CPU devices, which on a CPU-only machine the learners share). Output in the workdir (the same
 layout as `local`): `summary.json`, `config.json` (the resolved config, its fingerprint beside it),
 `learner_<i>/` (metrics.jsonl, TensorBoard event files, checkpoints), `global/` (the global model's eval
-curve), `syncer/` (the syncer's metrics and `syncer_checkpoints/`), `plots/` (`python -m diloco_jax plot`),
-`model/` (the global model at the end, `export.py`: `python -m diloco_jax eval/sample --model`).
+curve), `syncer/` (the syncer's metrics, its decision for every round in `rounds.jsonl`, and
+`syncer_checkpoints/`), `plots/` (`python -m diloco_jax plot`), `model/` (the global model at the end,
+`export.py`: `python -m diloco_jax eval/sample --model`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class InProcessRun:
   Args:
     config: the run's config (validated).
     workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
-      (`syncer/syncer_checkpoints/`); None: nothing on disk.
-    learner_ids: which learners to create (default: all `learners.num`); each gets `learners.devices`
-      devices, carved in order from `devices` (default `jax.devices()`).
+      (`syncer/syncer_checkpoints/`, the decision records `syncer/rounds.jsonl`); None: nothing on disk.
+    learner_ids: which learners to create (default: all `learners.num`); each gets its devices
+      (`config.learner_devices`), carved in order from `devices` (default `jax.devices()`).
 
   `global_eval` evaluates the global model on `evaluator_devices`.
   """
@@ -66,7 +67,7 @@ class InProcessRun:
     self.config = config
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
-    slices = mesh_lib.carve_slices(devices or jax.devices(), [config.learners.devices] * len(ids))
+    slices = mesh_lib.carve_slices(devices or jax.devices(), [config_lib.learner_devices(config, i) for i in ids])
     self.core, self.fingerprint = build.build_core(config, run_id)
     self.global_eval = eval_loop.GlobalEval(config, evaluator_devices(config, [d for s in slices for d in s]))
     self._syncer_ckpt = None
@@ -76,6 +77,9 @@ class InProcessRun:
                                                                 keep=2)
       self.resumed = syncer_checkpoint.restore_core(self._syncer_ckpt, self.core) is not None
     self.ticker = Ticker(self.core)
+    # The syncer's per-round decisions (who was merged, waited for, how long, with which weights).
+    self.rounds_log = (None if self.workdir is None else
+                       metrics_lib.DrainLog(self.core.drain_decisions, self.workdir / "syncer", "rounds"))
     self.learners = [
         loop_lib.Learner(config, i, devices_i, InProcessTransport(self.core), self.fingerprint,
                          None if self.workdir is None else str(self.workdir / f"learner_{i}"),
@@ -106,16 +110,20 @@ class InProcessRun:
       if learner.log is not None:
         learner.log.close()
     self.ticker.stop()
+    if self.rounds_log is not None:
+      self.rounds_log.close()
     if self._syncer_ckpt is not None:
       syncer_checkpoint.save_core(self._syncer_ckpt, self.core, rounds=self.core.rounds_closed())
       self._syncer_ckpt.close()
 
 
 def evaluator_devices(config, used: Sequence[jax.Device]) -> list[jax.Device]:
-  """Up to `learners.devices` devices no learner uses; if there are none, the host's CPU devices (on a
-  CPU-only machine those are the learners' too: fake devices share the same cores anyway)."""
+  """Up to learner 0's count of devices (`config.learner_devices`: a mesh every eval batch is validated
+  on) that no learner uses; if there are none, the host's CPU devices (on a CPU-only machine those are the
+  learners' too: fake devices share the same cores anyway)."""
+  k = config_lib.learner_devices(config, 0)
   spare = [d for d in jax.devices() if d not in set(used)]
-  return spare[:config.learners.devices] or jax.devices("cpu")[:config.learners.devices]
+  return spare[:k] or jax.devices("cpu")[:k]
 
 
 class CoreSource:
@@ -150,7 +158,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
   evaluator.start()
   if not quiet:
     sizes = [plan.size(p) for p in range(plan.num_fragments)]
-    print(f"train: {num} learners x {config.learners.devices} devices, {params:,} params, "
+    devices = [config_lib.learner_devices(config, i) for i in range(num)]
+    print(f"train: {num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, {params:,} params, "
           f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
           f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps, "
           f"codec {config.outer.codec}, quorum K={config.outer.min_quorum or num}"
@@ -176,6 +185,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
       results[i] = loop_lib.run_learner(learners[i], on_step=on_step, should_stop=lambda: bool(errors))
     except BaseException as e:  # noqa: BLE001 - reported below, and stops the other learners
       errors.append(e)
+      # Leave at once: the others may be waiting for this learner's contribution (K = M) while flushing.
+      learners[i].comms.close(leave=True)
 
   threads = [threading.Thread(target=work, args=(i,), name=f"learner{i}") for i in range(num)]
   for t in threads:
@@ -210,8 +221,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
       "bytes_received": sum(r["bytes_received"] for r in results),
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
       "blocked_s": {r["learner"]: r["blocked_s"] for r in results},
-      "versions": status["versions"], "goodput_estimate": status["goodput_estimate"],
-      "global_eval_failures": evaluator.failures,
+      "versions": status["versions"], "t_sync_s": status["t_sync_s"],
+      "goodput_estimate": status["goodput_estimate"], "global_eval_failures": evaluator.failures,
   }
   if export:
     summary["model"] = str(export_lib.export(
@@ -239,7 +250,8 @@ def main(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   c = fv.config
-  need = (c.learners.num + 1) * c.learners.devices  # the learners' slices and the evaluator's
+  # The learners' slices and the evaluator's.
+  need = sum(config_lib.learner_devices(c, i) for i in range(c.learners.num)) + config_lib.learner_devices(c, 0)
   config = cli.validated(c, len(cli.devices(need, "train")), learners=True)
   run(config, fv.workdir, export=fv.export)
   return 0

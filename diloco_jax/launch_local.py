@@ -4,13 +4,13 @@
         [--config.train.steps=200 ...]
 
 Each learner is its own process with its own fake CPU devices (`XLA_FLAGS=
---xla_force_host_platform_device_count=<learners.devices>` in its environment), talking to the syncer
+--xla_force_host_platform_device_count=<its learner's devices>` in its environment), talking to the syncer
 process over gRPC on loopback, exactly as on separate hosts. The launcher:
 
 1. writes a fresh random run token to `WORKDIR/token` (mode 600) and hands it to every child by file;
 2. starts the syncer (`--bind 127.0.0.1:0`) and waits for `WORKDIR/syncer/syncer.port`;
 3. with `--eval` (the default), starts the global model's evaluator (`python -m diloco_jax evaluator`, an
-   observer that never joins) in `WORKDIR/global`, on its own `learners.devices` fake devices;
+   observer that never joins) in `WORKDIR/global`, on its own fake devices (as many as learner 0's);
 4. starts learner i in `WORKDIR/learner_<i>`; every child logs to `WORKDIR/logs/<name>.log`;
 5. shows overall progress (steps read from each learner's `metrics.jsonl`, the newest global eval loss from
    `WORKDIR/global/metrics.jsonl`) and waits for the learners;
@@ -26,7 +26,7 @@ With `--syncer-shards S`, the syncer is S processes on consecutive free loopback
 syncer"); learners and the evaluator get every shard's address, the summary reads every shard's status,
 and the final eval and export assemble the global model from every shard's checkpoint.
 
-With `--hosts-per-learner H`, each learner is H processes of `learners.devices / H` fake CPU devices each,
+With `--hosts-per-learner H`, each learner is H processes of 1/H of its fake CPU devices each,
 one learner spanning them through `jax.distributed` (a coordinator on a free loopback port, process 0
 talking to the syncer), as a learner spanning H hosts of a TPU slice; their logs are
 `WORKDIR/logs/learner_<i>_p<p>.log`.
@@ -86,7 +86,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
                      flag_values=fv)
   flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
   flags.DEFINE_integer("hosts-per-learner", 1, "processes per learner (jax.distributed on loopback), each "
-                       "with learners.devices / H fake CPU devices", flag_values=fv)
+                       "with 1/H of the learner's fake CPU devices", flag_values=fv)
   flags.DEFINE_integer("syncer-shards", 1, "syncer processes, each owning some fragments (at most "
                        "outer.num_fragments)", flag_values=fv, lower_bound=1)
 
@@ -240,7 +240,7 @@ def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export
   if found is None:
     return None
   params, info = found
-  loss = eval_loop.GlobalEval(config, jax.devices()[:config.learners.devices]).loss(params)
+  loss = eval_loop.GlobalEval(config, jax.devices()[:config_lib.learner_devices(config, 0)]).loss(params)
   if export_dir is not None:
     export_lib.export(export_dir, config, params, source="local", run_id=run_id,
                       syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"],
@@ -347,17 +347,18 @@ class Launcher:
     process, or `hosts_per_learner` processes joined by jax.distributed; `add`: append them to `learners`
     (a restart replaces the old ones itself)."""
     h = self.hosts_per_learner
+    devices = config_lib.learner_devices(self.config, i)
     ldir = self.workdir / f"learner_{i}"
     argv = self._command("learner", "--syncer", self.target, "--learner-id", str(i),
                          "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
     if h == 1:
-      children = [Child(f"learner {i}", argv, child_env(self.config.learners.devices),
+      children = [Child(f"learner {i}", argv, child_env(devices),
                         self.workdir / "logs" / f"learner_{i}.log")]
     else:
       coordinator = f"127.0.0.1:{free_port()}"
       children = [Child(f"learner {i} process {p}",
                         argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
-                        child_env(self.config.learners.devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
+                        child_env(devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
                   for p in range(h)]
     if add:
       self.learners.extend(children)
@@ -368,7 +369,7 @@ class Launcher:
         "evaluator",
         self._command("evaluator", "--syncer", self.target, "--workdir", str(self.workdir / "global"),
                       "--token-file", str(self.workdir / "token")),
-        child_env(self.config.learners.devices), self.workdir / "logs" / "evaluator.log")
+        child_env(config_lib.learner_devices(self.config, 0)), self.workdir / "logs" / "evaluator.log")
 
   def latest_global_eval(self) -> float | None:
     """The newest eval loss of the global model (the evaluator's records), if any."""
@@ -485,17 +486,18 @@ def main(argv) -> int:
   if fv.learners:
     config.learners.num = fv.learners
     config_argv.append(f"--config.learners.num={fv.learners}")
-  cli.validated(config, config.learners.num * config.learners.devices, learners=True)
+  counts = [config_lib.learner_devices(config, i) for i in range(config.learners.num)]
+  cli.validated(config, sum(counts), learners=True)
   hosts = fv["hosts-per-learner"].value
   shards = fv["syncer-shards"].value
   if shards > config.outer.num_fragments:
     raise cli.UsageError(f"--syncer-shards ({shards}) must be at most outer.num_fragments "
                          f"({config.outer.num_fragments}): a shard owns whole fragments")
-  if hosts < 1 or config.learners.devices % hosts:
-    raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide config.learners.devices "
-                         f"({config.learners.devices})")
-  # The launcher's own jax (the final eval) gets one learner's worth of CPU devices; set before first use.
-  os.environ.update({k: v for k, v in child_env(config.learners.devices).items()
+  if hosts < 1 or any(n % hosts for n in counts):
+    raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide every learner's devices "
+                         f"({counts if len(set(counts)) > 1 else counts[0]})")
+  # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
+  os.environ.update({k: v for k, v in child_env(counts[0]).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
   workdir = pathlib.Path(fv.workdir).resolve()
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -508,7 +510,8 @@ def main(argv) -> int:
     signal.signal(sig, launcher.on_signal)
   t0 = time.perf_counter()
   status, failed = None, None
-  shape = f"{hosts} processes x {config.learners.devices // hosts}" if hosts > 1 else f"{config.learners.devices}"
+  per = f"{counts if len(set(counts)) > 1 else counts[0]}"
+  shape = f"{hosts} processes x {per} / {hosts}" if hosts > 1 else per
   print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
         f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:

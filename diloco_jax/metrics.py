@@ -19,8 +19,9 @@ import math
 import os
 import pathlib
 import sys
+import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import tensorboardX
@@ -102,6 +103,40 @@ def ring_allreduce_bytes(num_params: int, workers: int, bytes_per_param: int = 4
   """Bytes one worker sends and receives in a ring all-reduce of the gradient, per step: the data-parallel
   reference for bytes on the wire, 2 (n - 1) / n x gradient bytes."""
   return 2.0 * (workers - 1) / workers * num_params * bytes_per_param
+
+
+class DrainLog:
+  """A daemon thread that appends the records `drain()` returns to `<workdir>/<name>.jsonl` every
+  `period_s` seconds, and once more at `close()` (the syncer's per-round decision records: the core builds
+  them, this writes them, outside the core's lock)."""
+
+  def __init__(self, drain: Callable[[], list[dict]], workdir: str | os.PathLike, name: str,
+               period_s: float = 1.0):
+    self._drain, self._period_s = drain, period_s
+    self._log = MetricsLog(workdir, name)
+    self.path = self._log.path
+    self.written = 0
+    self._stop = threading.Event()
+    self._lock = threading.Lock()  # the thread and close() never write at once
+    self._thread = threading.Thread(target=self._run, name=f"drain-{name}", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self._period_s):
+      self.flush()
+
+  def flush(self) -> None:
+    with self._lock:
+      for record in self._drain():
+        self._log.write(record)
+        self.written += 1
+
+  def close(self) -> None:
+    """Stop the thread and write what is left."""
+    self._stop.set()
+    self._thread.join()
+    self.flush()
+    self._log.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

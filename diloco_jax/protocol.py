@@ -96,6 +96,7 @@ class PushReceipt:
   fragment: int
   round: int  # the round of the fragment this contribution went into (an index into its history)
   late: bool  # base_version < the fragment's version when the push arrived
+  version: int = -1  # the version whose publication merges this contribution; -1: unknown
   epoch: int = 0  # the epoch of the syncer that accepted it (0: unknown)
 
 
@@ -129,8 +130,8 @@ class Published:
   """A global fragment as served to learners: decode with `codec.decode(payload, codec, size, block)`.
 
   kind "full": the decoded vector is the fragment at `version`. kind "delta": it is the change from the
-  reference of `base_version` (= version - 1) of the same syncer `epoch`, to be added to the base the
-  learner holds (one float32 add). See `syncer/downlink.py`.
+  reference of `base_version` (< version) of the same syncer `epoch`, to be added to the base the learner
+  holds (one float32 add). See `syncer/downlink.py`.
   """
 
   fragment: int

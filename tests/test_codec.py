@@ -1,5 +1,7 @@
 """Codecs: round-trip error within the documented bound, sizes, checksums, malformed payloads."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,24 @@ def test_quantized_error_is_not_trivially_zero(name):
   out = codec.decode(codec.encode(vec, name), name, vec.size)
   ratio = np.abs(out - vec).max() / codec.error_bound(vec, name).max()
   assert 0.5 < ratio <= 1.0
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("magnitude", [1e-30, 3e-37, 1e-38, 1e-40, 1e-43, 1e-45])
+def test_tiny_blocks_stay_within_the_bound(name, magnitude):
+  """Blocks whose largest magnitude is below ~1e-37 used to overflow qmax / absmax: every nonzero element
+  decoded as +-absmax (up to 254x the bound) with a RuntimeWarning. Now within the bound, silently."""
+  rng = np.random.default_rng(3)
+  vec = (rng.standard_normal(256) * magnitude).astype(np.float32)
+  vec[:64] = rng.standard_normal(64).astype(np.float32)  # a normal block beside the tiny ones
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = codec.decode(codec.encode(vec, name, 64), name, vec.size, 64)
+  err = np.abs(out.astype(np.float64) - vec)
+  bound = codec.error_bound(vec, name, 64)
+  assert (err <= bound).all(), float((err / bound).max())
+  # And the bound is about half a step of the block's own scale, not the normal block's.
+  assert bound[64:].max() <= max(float(np.abs(vec[64:]).max()) / {"int8": 127, "int4": 7}[name], 2.0**-149)
 
 
 def test_bf16_rounds_to_nearest_even():

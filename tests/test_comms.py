@@ -72,16 +72,22 @@ def test_a_refused_push_is_recorded_and_the_learner_gets_the_current_global():
     comms.close(leave=False)
 
 
-def test_heartbeats_carry_the_running_step_time():
+def test_heartbeats_carry_a_robust_step_time():
   core = helpers.make_core((N,), k=1)
   comms = make_comms(core, heartbeat_s=0.05)
   try:
     comms.join()
-    for seconds in (0.2, 0.4, 0.4):
+    assert comms.step_time_s == 0.0  # nothing reported yet
+    # A first step that compiled (30 s) and a stalled one (5 s) among steps of 0.2 to 0.4 s: the median of
+    # the recent steps ignores them (a mean would report about 2 s).
+    for seconds in (30.0, 0.2, 0.4, 0.3, 5.0, 0.3, 0.25):
       comms.report_step_time(seconds)
-    expected = 0.2 + 0.1 * (0.4 - 0.2)  # the first report, then an EMA with weight 0.1
-    expected = expected + 0.1 * (0.4 - expected)
+    expected = 0.3
     assert comms.step_time_s == pytest.approx(expected)
+    for _ in range(32):  # only the last 32 steps count: the learner slowed down
+      comms.report_step_time(0.6)
+    assert comms.step_time_s == pytest.approx(0.6)
+    expected = 0.6
     helpers.wait_for(lambda: core.status()["members"]["0"]["step_time_s"] > 0, "a heartbeat", timeout=10)
     assert core.status()["members"]["0"]["step_time_s"] == pytest.approx(expected)
   finally:

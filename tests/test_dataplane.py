@@ -48,7 +48,9 @@ def test_push_and_pull_over_the_data_plane_count_every_byte(syncer):
     receipt = t.push(push)
     header = pb.PushHeader(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=10, tokens=100,
                            codec="int4", checksum=push.checksum, total_size=len(push.payload))
-    reply = pb.PushResponse(fragment=0, round=receipt.round, late=receipt.late, epoch=receipt.epoch).ByteSize()
+    reply = pb.PushResponse(fragment=0, round=receipt.round, late=receipt.late, epoch=receipt.epoch,
+                            version=receipt.version).ByteSize()
+    assert receipt.version == 1  # the version that merges it, over the data plane too
     assert t.bytes_sent - sent0 == wire.MAC_BYTES + 1 + 4 + header.ByteSize() + len(push.payload)
     assert t.bytes_received - received0 == wire.HELLO_BYTES + 5 + reply
     assert core.status()["versions"] == [1, 0]

@@ -92,6 +92,85 @@ def test_laggards_and_joiners_get_the_full_reference():
   assert (c.counters["pulls_full"], c.counters["pulls_delta"]) == (5, 1)
 
 
+def test_k1_learners_get_one_delta_from_the_version_they_hold():
+  """K = 1, three learners taking turns: the global moves three times between two syncs of one learner.
+  Each version is published as a delta from the version its contributor holds, so every learner gets one
+  int4 delta per sync (not the full fragment, not a chain) and still holds the reference bitwise."""
+  c = helpers.make_core((N,), downlink="int4", block=BLOCK, clock=helpers.FakeClock(), downlink_history=6)
+  for i in range(3):
+    c.join(i, FP)
+  rng = np.random.default_rng(13)
+  held = {i: (0, c.reference(0)[1]) for i in range(3)}  # each learner's (version, base vector)
+  refs = {}
+  waiting = None
+  for turn in range(13):
+    i = turn % 3
+    if turn < 12:
+      delta = (0.05 * rng.standard_normal(N)).astype(np.float32)
+      receipt = c.push(helpers.make_push(i, delta, core=c, base_version=held[i][0]))
+      assert receipt.late == (turn >= 1) and receipt.version == turn + 1
+      refs[turn + 1] = c.reference(0)[1]
+    if waiting is not None:
+      # The previous learner pulls only now, after this push closed another round: it gets the newest
+      # version from its own round on that was published as a delta from the version it holds.
+      j, version = waiting
+      base_version, base = held[j]
+      pub = c.pull(0, version, have_version=base_version, have_epoch=c.epoch)
+      assert (pub.kind, pub.base_version) == ("delta", base_version) and pub.version >= version
+      assert len(pub.payload) == codec.encoded_size(N, "int4", BLOCK)
+      held[j] = (pub.version, base + codec.decode(pub.payload, "int4", N, BLOCK))
+      np.testing.assert_array_equal(held[j][1], refs[pub.version])  # bitwise the syncer's R of that version
+    waiting = (i, receipt.version)
+  assert c.counters["pulls_full"] == 0 and c.counters["pulls_delta"] == 12
+
+
+def test_a_round_is_published_from_the_version_most_of_its_contributors_hold():
+  """One round, one version (the recovery protocol numbers versions as rounds + an offset): a delta from
+  the base most of its pushes hold; a contributor on another base gets the full fragment."""
+  c = helpers.make_core((N,), k=3, downlink="int4", block=BLOCK, clock=helpers.FakeClock(), downlink_history=4,
+                        max_grace_s=30.0)
+  for i in range(3):
+    c.join(i, FP)
+  rng = np.random.default_rng(14)
+  step = lambda: (0.05 * rng.standard_normal(N)).astype(np.float32)
+  held = {}
+  for v in range(2):  # versions 1, 2: everyone in
+    for i in range(3):
+      c.push(helpers.make_push(i, step(), core=c, base_version=v))
+    held[v + 1] = c.reference(0)[1]
+  assert c.status()["versions"] == [2] and c.status()["rounds"] == [2]
+  # Round 3: learners 0 and 1 hold version 2, learner 2 still holds version 1 (it missed version 2).
+  receipts = [c.push(helpers.make_push(i, step(), core=c, base_version=base))
+              for i, base in ((0, 2), (1, 2), (2, 1))]
+  assert [r.version for r in receipts] == [3, 3, 3]
+  assert receipts[2].late and not receipts[0].late
+  assert c.status()["versions"] == [3] and c.status()["rounds"] == [3]
+  pub = c.pull(0, 3, have_version=2, have_epoch=c.epoch)
+  assert (pub.kind, pub.version, pub.base_version) == ("delta", 3, 2)
+  np.testing.assert_array_equal(held[2] + codec.decode(pub.payload, "int4", N, BLOCK), c.reference(0)[1])
+  theta = c.state_dict()["fragments"][0]
+  assert (np.abs(c.reference(0)[1] - theta) <= codec.error_bound(theta - held[2], "int4", BLOCK) + 1e-6).all()
+  pub1 = c.pull(0, 3, have_version=1, have_epoch=c.epoch)
+  assert (pub1.kind, pub1.version) == ("full", 3)
+  np.testing.assert_array_equal(codec.decode(pub1.payload, "fp32", N), c.reference(0)[1])
+  r = c.push(helpers.make_push(1, step(), core=c, base_version=3))
+  assert not r.late and r.version == 4
+
+
+def test_references_older_than_the_history_get_the_full_fragment():
+  c = helpers.make_core((N,), downlink="int4", block=BLOCK, clock=helpers.FakeClock(), downlink_history=2)
+  c.join(0, FP)
+  rng = np.random.default_rng(15)
+  for _ in range(3):
+    commit(c, rng)
+  # Learner 0's push based on version 0: R_0 is no longer kept (history 2: versions 2 and 3).
+  c.push(helpers.make_push(0, (0.05 * rng.standard_normal(N)).astype(np.float32), core=c, base_version=0))
+  pub = c.pull(0, 4, have_version=0, have_epoch=c.epoch)
+  assert (pub.kind, pub.version) == ("full", 4)
+  with pytest.raises(ValueError, match="downlink_history"):
+    helpers.make_core((N,), downlink="int4", downlink_history=0)
+
+
 def test_no_delta_before_the_first_commit():
   c = make_core()
   pub = c.pull(0, 0, have_version=-1)
@@ -211,15 +290,17 @@ def test_version_zero_reference_is_the_same_in_every_epoch():
                                 c.reference(0)[1])
 
 
-@pytest.mark.parametrize("num_fragments", [2, 5])
-def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, num_fragments):
-  """Two learners train with an int4 downlink; each one's device base is R of the version it adopted
-  (P = 5 = H: leaves split into pieces, each piece's base rebuilt from the deltas bitwise)."""
+@pytest.mark.parametrize("quorum, num_fragments", [(0, 2), (1, 5)])
+def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quorum, num_fragments):
+  """Two learners train with an int4 downlink (K = all, and K = 1 where deltas start from older versions);
+  each one's device base is R of the version it adopted (P = 5 = H: leaves split into pieces, each piece's
+  base rebuilt from the deltas bitwise)."""
   config = tiny_cpu.get_config()
   config.train.steps = 20
   config.outer.sync_every = 5
   config.outer.num_fragments = num_fragments
   config.outer.downlink_codec = "int4"
+  config.outer.min_quorum = quorum
   config.learners.num = 2
   config.learners.devices = 1
   job = inprocess.InProcessRun(config, tmp_path, run_id="downlink-test")
@@ -229,9 +310,11 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, num_f
   downlink = core._downlink
   commit_downlink = downlink.commit
 
-  def recording(p, version, theta):
-    commit_downlink(p, version, theta)
-    refs[(p, version)] = downlink.reference(p)
+  def recording(p, version, theta, held=()):
+    published = commit_downlink(p, version, theta, held)
+    for v in range(version, version + published):  # a round may publish several versions
+      refs[(p, v)] = downlink._refs[p][v].copy()
+    return published
 
   monkeypatch.setattr(downlink, "commit", recording)
   errors = []

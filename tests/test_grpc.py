@@ -58,7 +58,7 @@ def test_push_pull_round_trip(syncer):
     assert versions.history == core.history() and len(versions.history) == 1
     before = core.pull(0, 0).payload
     receipt = t.push(make_push(core))
-    assert receipt == PushReceipt(fragment=0, round=0, late=False, epoch=core.epoch)
+    assert receipt == PushReceipt(fragment=0, round=0, late=False, epoch=core.epoch, version=1)  # v1 merges it
     published = t.pull(0, 1, timeout_s=5.0)
     assert published.version == 1 and published.fragment == 0
     assert published.payload == core.pull(0, 1).payload != before
@@ -102,7 +102,7 @@ def test_byte_counters_are_messages_plus_frame_headers(syncer):
     assert t.bytes_sent - sent0 == want
     assert len(push.payload) < want < len(push.payload) + 200  # 3 chunks: framing is small
     assert t.bytes_received - received0 == pb.PushResponse(
-        fragment=0, round=receipt.round, late=False, epoch=receipt.epoch).ByteSize() + frame
+        fragment=0, round=receipt.round, late=False, epoch=receipt.epoch, version=receipt.version).ByteSize() + frame
     sent1, received1 = t.bytes_sent, t.bytes_received
     published = t.pull(0, 1)
     # The server chunks at 1 MiB: one header and one data message here.

@@ -70,6 +70,18 @@ def test_baseline_batches_are_the_learners_batches_side_by_side(tiny_config):
     data.baseline_iterator(c, num_learners=2, seed=3).set_state(state)
 
 
+def test_baseline_batches_follow_learners_of_different_sizes(tiny_config):
+  """Learners with 1 and 3 devices read 4 and 12 sequences per step from their shards: the baseline's
+  batch is those side by side, and shares that do not add up to the global batch are refused."""
+  c = tiny_config.data
+  dp = data.baseline_iterator(c, num_learners=2, seed=3, batches=[4, 12])
+  shards = [data.train_iterator(c, batch_size=b, num_shards=2, shard_index=k, seed=3) for k, b in enumerate((4, 12))]
+  for _ in range(2):
+    np.testing.assert_array_equal(next(dp)["tokens"], np.concatenate([next(s)["tokens"] for s in shards]))
+  with pytest.raises(data.ConfigError, match="global_batch"):
+    data.baseline_iterator(c, num_learners=2, seed=3, batches=[4, 8])
+
+
 def test_shuffled_baseline_order_is_one_shuffle_of_all_windows(tiny_config):
   c = tiny_config.data
   c.baseline_order = "shuffled"

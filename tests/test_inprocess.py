@@ -1,10 +1,14 @@
 """Decoupled DiLoCo end to end, in one process: learners on device slices with the syncer core."""
 
+import json
+
 import jax
 import numpy as np
+import pytest
 
 from diloco_jax import inprocess
 from diloco_jax import trainer as trainer_lib
+from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import build
 
 
@@ -54,3 +58,25 @@ def test_four_learners_on_two_device_slices_lower_the_eval_loss(tiny_config, tmp
   assert summary["tokens"] == c.train.steps * c.data.global_batch * c.data.seq_len
   # Nothing lost: after the final flush every learner's every token reached the global model.
   assert summary["tokens_merged"] == summary["tokens"]
+
+
+def test_a_learner_that_crashes_leaves_and_the_others_finish(tiny_config, tmp_path, monkeypatch):
+  """K = M, two learners: learner 1 fails at step 3. It leaves the quorum at once, so learner 0 (which
+  would otherwise wait for learner 1's pushes at every round and in its final flush) finishes, and the
+  run reports learner 1's error instead of hanging."""
+  c = tiny_config
+  c.learners.num, c.learners.devices = 2, 1
+  c.train.steps, c.train.eval_every, c.outer.sync_every = 12, 1000, 4
+  c.outer.min_quorum = 0
+  real_step = loop_lib.Learner.train_step
+
+  def failing(self):
+    if self.learner_id == 1 and self.trainer.step == 3:
+      raise RuntimeError("learner 1 broke")
+    real_step(self)
+
+  monkeypatch.setattr(loop_lib.Learner, "train_step", failing)
+  with pytest.raises(RuntimeError, match="learner 1 broke"):
+    inprocess.run(c, str(tmp_path), quiet=True)
+  records = [json.loads(line) for line in (tmp_path / "syncer" / "rounds.jsonl").read_text().splitlines()]
+  assert records and records[-1]["contributors"] == [0]  # rounds went on without learner 1

@@ -3,6 +3,7 @@ the syncer's fused path (in place, in chunks) against the unfused functions."""
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from diloco_jax import codec, outer
@@ -16,32 +17,49 @@ def test_outer_gradient():
     outer.outer_gradient(base, local[:2])
 
 
-def test_merge_weight_rules():
+def test_raw_weight_rules():
   tokens, steps = [100, 300, 50], [10, 20, 1]
-  np.testing.assert_allclose(outer.merge_weights(tokens, steps, "tokens"), np.array(tokens) / 450)
-  sq = np.array([100**2 / 10, 300**2 / 20, 50**2 / 1])
-  np.testing.assert_allclose(outer.merge_weights(tokens, steps, "tokens_sq_per_step"), sq / sq.sum())
-  np.testing.assert_allclose(outer.merge_weights(tokens, steps, "uniform"), [1 / 3] * 3)
-  stale = [0, 1, 3]
-  beta = 0.5
-  raw = np.array(tokens) * (1.0 + np.array(stale))**-beta
-  np.testing.assert_allclose(outer.merge_weights(tokens, steps, "tokens", stale, beta), raw / raw.sum())
-  # beta 0: staleness changes nothing.
-  np.testing.assert_allclose(outer.merge_weights(tokens, steps, "tokens", stale, 0.0), np.array(tokens) / 450)
-  # All-zero tokens fall back to uniform.
-  np.testing.assert_allclose(outer.merge_weights([0, 0], [0, 0], "tokens"), [0.5, 0.5])
+  np.testing.assert_allclose(outer.raw_weights(tokens, steps, "tokens"), tokens)
+  np.testing.assert_allclose(outer.raw_weights(tokens, steps, "tokens_sq_per_step"),
+                             [100**2 / 10, 300**2 / 20, 50**2 / 1])
+  np.testing.assert_allclose(outer.raw_weights(tokens, steps, "uniform"), [1, 1, 1])
+  np.testing.assert_allclose(outer.raw_weights([0], [0], "tokens_sq_per_step"), [0])  # no 0/0
   with pytest.raises(ValueError, match="outer.merge"):
-    outer.merge_weights(tokens, steps, "median")
+    outer.raw_weights(tokens, steps, "median")
+  with pytest.raises(ValueError, match=">= 0"):
+    outer.raw_weights([-1], [1])
 
 
-def test_merge_weighted_mean():
+def test_merge_coefficients_are_shares_of_the_period_with_the_discount_kept():
+  tokens = np.array([100.0, 300.0, 50.0])
+  # The round answers for learners whose periods weigh 450 together: a full round, the weighted mean.
+  np.testing.assert_allclose(outer.merge_coefficients(tokens, 450.0, 3), tokens / 450)
+  # Part of the learners (k of n, equal periods): each push moves the model by its share, 1/n.
+  np.testing.assert_allclose(outer.merge_coefficients([100.0], 400.0, 4), [0.25])
+  # A learner with two periods in one round: both count in full (summed, not averaged).
+  np.testing.assert_allclose(outer.merge_coefficients([100.0, 100.0, 100.0], 200.0, 2), [0.5, 0.5, 0.5])
+  stale, beta = [0, 1, 3], 0.5
+  np.testing.assert_allclose(outer.merge_coefficients(tokens, 450.0, 3, stale, beta),
+                             tokens / 450 * (1.0 + np.array(stale))**-beta)
+  # A lone stale push keeps its discount: nothing renormalizes it back to full weight.
+  for b in (0.0, 1.0, 4.0):
+    np.testing.assert_allclose(outer.merge_coefficients([100.0], 100.0, 1, [1], b), [2.0**-b])
+  # No tokens reported anywhere: 1 / learners each (a closed round still moves the model).
+  np.testing.assert_allclose(outer.merge_coefficients([0.0, 0.0], 0.0, 4), [0.25, 0.25])
+  with pytest.raises(ValueError):
+    outer.merge_coefficients([1.0], 1.0, 1, [-1])
+
+
+def test_merge_weighted_sum():
   rng = np.random.default_rng(0)
   deltas = [rng.standard_normal(50).astype(np.float32) for _ in range(3)]
   w = np.array([0.2, 0.3, 0.5])
   expected = sum(wi * d.astype(np.float64) for wi, d in zip(w, deltas))
   np.testing.assert_allclose(outer.merge(deltas, w), expected, rtol=1e-5, atol=1e-6)
-  # Unnormalized weights are normalized.
-  np.testing.assert_allclose(outer.merge(deltas, 10 * w), expected, rtol=1e-5, atol=1e-6)
+  # Coefficients are used as given: a quarter share moves a quarter as far.
+  np.testing.assert_allclose(outer.merge(deltas, w / 4), expected / 4, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError):
+    outer.merge(deltas, [0.1, np.nan, 0.2])
 
 
 def test_merge_rda_formula():
@@ -53,18 +71,20 @@ def test_merge_rda_formula():
   radial = (wn * norms).sum()
   direction = sum(wi * d / n for wi, d, n in zip(wn, deltas, norms))
   expected = radial * direction / np.linalg.norm(direction)
-  got = outer.merge(deltas, w, rda=True)
+  got = outer.merge(deltas, wn, rda=True)
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  # Homogeneous in the coefficients, like the plain sum.
+  np.testing.assert_allclose(outer.merge(deltas, wn / 4, rda=True), expected / 4, rtol=1e-5, atol=1e-6)
   # The merged norm is the weighted mean norm, unlike the plain mean of near-orthogonal vectors.
   np.testing.assert_allclose(np.linalg.norm(got), radial, rtol=1e-5)
   # Four near-orthogonal deltas of equal norm: the plain mean shrinks by about 1/2, RDA does not.
   ortho = [rng.standard_normal(4096).astype(np.float32) for _ in range(4)]
   mean_norm = np.mean([np.linalg.norm(d) for d in ortho])
-  assert np.linalg.norm(outer.merge(ortho, [1.0] * 4)) < 0.6 * mean_norm
-  np.testing.assert_allclose(np.linalg.norm(outer.merge(ortho, [1.0] * 4, rda=True)), mean_norm, rtol=1e-4)
+  assert np.linalg.norm(outer.merge(ortho, [0.25] * 4)) < 0.6 * mean_norm
+  np.testing.assert_allclose(np.linalg.norm(outer.merge(ortho, [0.25] * 4, rda=True)), mean_norm, rtol=1e-4)
   # Identical deltas: RDA equals the plain mean.
   same = [deltas[0]] * 3
-  np.testing.assert_allclose(outer.merge(same, w, rda=True), deltas[0], rtol=1e-5)
+  np.testing.assert_allclose(outer.merge(same, wn, rda=True), deltas[0], rtol=1e-5)
 
 
 def test_nesterov_matches_hand_recurrence():
@@ -139,7 +159,9 @@ def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, mon
   monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
   payloads = _contributions(size, codec_name, block, 4)
   decoded = [codec.decode(p, codec_name, size, block) for p in payloads]
-  weights = outer.merge_weights([100, 250, 0, 75], [10, 10, 10, 5], "tokens_sq_per_step", [0, 1, 0, 2], 0.5)
+  raw = outer.raw_weights([100, 250, 0, 75], [10, 10, 10, 5], "tokens_sq_per_step")
+  weights = outer.merge_coefficients(raw, float(raw.sum()), 4, [0, 1, 0, 2], 0.5)
+  weights = weights / weights.sum()  # `apply_round` normalizes; its `scale` says how far the round moves
   norms = [float(np.linalg.norm(d.astype(np.float64))) for d in decoded]
   np.testing.assert_allclose([np.sqrt(codec.sum_squares(codec.parse(p, codec_name, size, block)))
                               for p in payloads], norms, rtol=1e-12)
@@ -162,6 +184,38 @@ def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, mon
   np.testing.assert_allclose(momentum, ref_momentum, rtol=1e-5, atol=1e-6 * top)
   np.testing.assert_allclose(theta, ref_theta, rtol=1e-5, atol=1e-6 * np.abs(ref_theta).max())
   assert not np.array_equal(theta, theta0)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_delayed_nesterov_matches_the_optimizer(threads, monkeypatch):
+  """Partial rounds through `apply_round` (the pending sum folded into the momentum vector, `share_after`)
+  against `outer_step` with the same shares: the global equals the optimizer's to float32 rounding, and
+  the momentum vector holds the optimizer's momentum once a cycle closes, mu x it + the pending sum while
+  one is open (quarter rounds, a carry beyond a full round, a full round after)."""
+  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  size = 20_000
+  rng = np.random.default_rng(5)
+  tx = outer.make_outer_optimizer(0.7, 0.9)
+  theta0 = rng.standard_normal(size).astype(np.float32)
+  ref_theta, ref_state = theta0, outer.init_outer_state(tx, theta0)
+  theta, momentum = theta0.copy(), np.zeros(size, np.float32)
+  pending_share, opened, fulls = 0.0, False, []
+  for share in (0.25, 0.25, 0.25, 0.25, 0.6, 0.6, 1.0, 0.3):
+    payload = codec.encode((0.01 * rng.standard_normal(size)).astype(np.float32), "int8")
+    merged = codec.decode(payload, "int8", size) * np.float32(share)
+    ref_theta, ref_state = outer.outer_step(tx, ref_theta, ref_state, merged, share)
+    full, pending_share = outer.share_after(pending_share, share)
+    result = outer.apply_round(theta, momentum, [payload], [1.0], codec_name="int8", block=64, lr=0.7, mu=0.9,
+                               scale=share, threads=threads, opened=opened, full=full)
+    assert result.applied
+    opened = not full
+    fulls.append(full)
+    np.testing.assert_allclose(pending_share, float(ref_state.share), atol=1e-6)
+    np.testing.assert_allclose(theta, ref_theta, rtol=1e-5, atol=1e-6 * np.abs(ref_theta).max())
+    want = np.asarray(ref_state.trace) * np.float32(0.9) + np.asarray(ref_state.pending) if opened else ref_state.trace
+    np.testing.assert_allclose(momentum, want, rtol=1e-5, atol=1e-6 * max(np.abs(momentum).max(), 1e-30))
+  # Quarter rounds complete a full share on the 4th; 0.6 + 0.6 on the 2nd (0.2 carried); 1.0 at once.
+  assert fulls == [False, False, False, True, False, True, True, False]
 
 
 def test_fused_round_edge_cases():
@@ -235,10 +289,10 @@ def test_fused_round_is_all_or_nothing(threads, monkeypatch):
 
 
 def test_momentum_from_old_and_new_checkpoints():
-  tx = outer.make_outer_optimizer(0.7, 0.9)
+  tx = optax.sgd(learning_rate=0.7, momentum=0.9, nesterov=True)  # what older syncers stepped with
   theta = np.arange(5, dtype=np.float32)
-  state = outer.init_outer_state(tx, theta)
-  _, state = outer.outer_step(tx, theta, state, np.ones(5, np.float32))
+  state = tx.init(theta)
+  updates, state = tx.update(np.ones(5, np.float32), state, theta)
   old_entry = outer.state_to_numpy(state)  # what syncer checkpoints held before: optax's state tree
   m = outer.momentum_from_state(old_entry, 5)
   np.testing.assert_array_equal(m, jax.tree.leaves(state)[0])

@@ -50,6 +50,10 @@ def test_syncer_two_learners_and_the_evaluator_over_grpc(tmp_path):
   finally:
     run.kill_all()
   assert total_versions(status) >= 4  # 20 steps, 2 fragments every 5 steps: the global model advanced
+  # The syncer process wrote a decision record for every round it closed.
+  records = [json.loads(line) for line in (tmp_path / "syncer" / "rounds.jsonl").read_text().splitlines()]
+  assert len(records) == status["counters"]["rounds"] and all(set(r["contributors"]) <= {0, 1} for r in records)
+  assert all(r["close"] in ("all_in", "deadline") and r["contributions"] for r in records)
   summaries = [run.summary(i) for i in range(2)]
   for s in summaries:
     assert s["steps"] == 20 and s["completed"] and not s["restored"] and s["syncs"] >= 4

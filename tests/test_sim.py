@@ -147,10 +147,12 @@ def test_rounds_close_by_the_project_policy():
   schedule = _schedule(policy=policy)
   speeds = (0.8, 1.0, 1.0)
   out = _outer(schedule, speeds)
-  step = syncer_policy.estimate_step_time([schedule.step_s / v for v in speeds])
   assert len(out.records["rounds"]) == out.contributors.size > 100
   for rnd in out.records["rounds"]:
-    expected = syncer_policy.round_close_time(policy, rnd["arrivals"], rnd["alive"], step, schedule.t_sync_s)
+    # Each arrival with its own learner's step time (the per-learner grace budget).
+    assert sorted(rnd["step_times"]) == sorted(schedule.step_s / speeds[j] for j in rnd["members"])
+    expected = syncer_policy.round_close_time(policy, rnd["arrivals"], rnd["alive"], rnd["step_times"],
+                                              schedule.t_sync_s)
     assert rnd["closed"] == pytest.approx(max(expected, rnd["arrivals"][-1]))
 
 

@@ -3,6 +3,7 @@ shard count that keeps up, against hand-computed values for tiny_cpu and real fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -28,7 +29,19 @@ def _config(name: str):
 
 @pytest.fixture(scope="module")
 def tiny():
-  return syncer_cli.setup_of(_config("tiny_cpu"))
+  # tiny_cpu's syncer with one downlink reference: the figures below by hand; its shipped downlink history
+  # in `test_tiny_cpu_downlink_history_by_hand`.
+  return dataclasses.replace(syncer_cli.setup_of(_config("tiny_cpu")), downlink_history=1)
+
+
+def test_tiny_cpu_downlink_history_by_hand():
+  shipped = syncer_cli.setup_of(_config("tiny_cpu"))
+  # int4 downlink, history 2 M = 8: eight references and a spare, eight deltas; a checkpoint keeps the latest.
+  assert shipped.downlink_history == 8
+  f0 = shipped.fragment_memory(65_664)
+  assert (f0["reference"], f0["latest_delta"]) == (9 * 262_656, 8 * 36_936)
+  one = shipped.memory(shipped.sizes, 4)
+  assert one["checkpoint_bytes"] == 3 * 460_032 + 36_936 + 27_756
 
 
 def test_tiny_cpu_by_hand(tiny):
@@ -131,8 +144,12 @@ def test_cli_json_and_table(capsys):
   assert rc == 0 and [r["learners"] for r in rows] == [2, 4]
   r = rows[1]
   assert r["ingest_params_per_s"] == pytest.approx(92_006.4)
-  assert r["memory_one_process"]["total"] == P + 1_904_820 + 590_976 + 2_760_192
-  assert r["at_shards"]["per_shard"] == P + 1_087_560 + 295_488 + 1_575_936
+  # tiny_cpu as shipped (int4 downlink of history 2 M = 8): resident 12 vectors of 460,032 (global,
+  # momentum, 9 references, full answer) + 8 x both deltas (64,692); open rounds and pushes being received
+  # 2 x 295,488; checkpoint copies 2 x 3 vectors (global, momentum, reference).
+  assert r["memory_one_process"]["total"] == P + 12 * 460_032 + 8 * 64_692 + 590_976 + 2 * 3 * 460_032
+  shipped = syncer_cli.setup_of(_config("tiny_cpu"))
+  assert r["at_shards"]["per_shard"] == max(x["memory"]["total"] for x in syncer.shard_layout(shipped, 4, 2, 0.5))
   assert r["merge_rate_per_core"] == syncer.measured_merge_rate("int4")
   rc, io = _run(["--configs", f"{TINY},{SMALL}", "--shards", "3"], capsys)
   assert rc == 0 and "not sharded yet" in io.out and "n/a (> P)" in io.out

@@ -69,6 +69,21 @@ def test_syncer_memory_parts_delta_downlink():
   assert m["checkpoint_bytes"] == 3 * model_bytes + m["latest_deltas"]
 
 
+def test_syncer_memory_with_a_downlink_history():
+  """A delta downlink keeping 4 versions holds 4 references and a spare, and 4 deltas (the checkpoint
+  keeps the latest of each); an fp32 downlink holds none whatever the history."""
+  sizes = (4096, 4096)
+  model_bytes = 4 * 8192
+  deltas = 2 * codec_lib.encoded_size(4096, "int8", 64)
+  m = sizing.syncer_memory(sizes, 2, codec="int8", downlink_codec="int8", block=64, max_in_flight=1,
+                           downlink_history=4)
+  assert (m["reference"], m["latest_deltas"]) == (5 * model_bytes, 4 * deltas)
+  assert m["checkpoint_bytes"] == 3 * model_bytes + deltas
+  fp32 = sizing.syncer_memory(sizes, 2, codec="int8", downlink_codec="fp32", block=64, max_in_flight=1,
+                              downlink_history=4)
+  assert fp32["reference"] == 0 and fp32["latest_deltas"] == 0
+
+
 def test_traffic_per_period_is_every_fragment_once():
   up, down = sizing.traffic_per_period((640, 64), codec="int4", downlink_codec="fp32", block=64)
   assert up == codec_lib.encoded_size(640, "int4", 64) + codec_lib.encoded_size(64, "int4", 64)

@@ -47,7 +47,7 @@ def test_quorum_grace_straggler_late_and_everyone_in():
   g0 = global_of(c)
   clock.t = 1.0
   r = c.push(make_push(0, deltas[0], tokens=100))
-  assert r == core_lib.PushReceipt(fragment=0, round=0, late=False, epoch=c.epoch)
+  assert r == core_lib.PushReceipt(fragment=0, round=0, late=False, epoch=c.epoch, version=1)
   for t in (1.0, 1.2):  # one contribution: never commits, whatever the time (within the lease)
     clock.t = t
     assert c.tick() == []
@@ -78,7 +78,7 @@ def test_quorum_grace_straggler_late_and_everyone_in():
   c2.push(make_push(1, deltas[1], tokens=300))
   clock2.t = 1.5 + 0.5 * (2 * 10.0 - 0.5) + 0.1  # past the deadline, and nobody ticked
   r = c2.push(make_push(3, deltas[3], tokens=200, base_version=0))
-  assert r.round == 1 and r.late
+  assert r.round == 1 and r.late and r.version == 2  # merged by round 1, which publishes version 2
   assert c2.status()["versions"] == [1]
   w01 = np.array([100, 300]) / 400
   np.testing.assert_allclose(global_of(c2), g0 - (w01[0] * deltas[0] + w01[1] * deltas[1]), rtol=1e-6)
@@ -104,10 +104,60 @@ def test_staleness_discount_applied():
   assert c.status()["versions"] == [1]
   g1 = global_of(c)
   a, b = np.full(8, 2.0, np.float32), np.full(8, 8.0, np.float32)
-  c.push(make_push(0, a, base_version=0, tokens=100))  # staleness 1 -> weight 100 / 2
+  c.push(make_push(0, a, base_version=0, tokens=100))  # staleness 1 -> its share 1/2, halved
   c.push(make_push(1, b, base_version=1, tokens=100))
-  w = np.array([50.0, 100.0]) / 150
+  w = np.array([0.5 / 2, 0.5])  # the discount is not renormalized away
   np.testing.assert_allclose(global_of(c), g1 - (w[0] * a + w[1] * b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 4.0])
+def test_lone_stale_push_keeps_its_discount(beta, partial):
+  """K = 1, lr 1, momentum 0: a lone push with staleness 1 moves the global (1 + 1)^-beta as far as the
+  same push when fresh (the discount used to be renormalized away within its one-push round)."""
+  moved = {}
+  for staleness in (0, 1):
+    c, clock = make_core(num_learners=1, k=1, max_grace_s=0.0, staleness_beta=beta, scale_partial_rounds=partial)
+    c.push(make_push(0, np.zeros(8)))  # version 1
+    g = global_of(c)
+    c.push(make_push(0, np.ones(8), base_version=1 - staleness))
+    moved[staleness] = g - global_of(c)
+  np.testing.assert_allclose(moved[0], np.ones(8), rtol=1e-6)
+  np.testing.assert_allclose(moved[1], moved[0] * 2.0**-beta, rtol=1e-6)
+
+
+def test_partial_rounds_move_the_model_by_their_share_of_the_work():
+  """With scale_partial_rounds, a round moves the model by the share of one period of every live
+  learner's work it holds: k/n for equal learners, by tokens for learners of different batch sizes, and a
+  learner with two periods in one round has both counted in full."""
+  c, clock = make_core(num_learners=4, k=1, max_grace_s=0.0, scale_partial_rounds=True)
+  d = np.ones(8, np.float32)
+  g = global_of(c)
+  for i in range(4):  # four one-learner rounds of equal learners: each a quarter
+    c.push(make_push(i, d, base_version=i))
+  assert c.status()["versions"] == [4]
+  np.testing.assert_allclose(g - global_of(c), 4 * 0.25 * d, rtol=1e-6)  # what one full round moves
+  g = global_of(c)
+  c.push(make_push(2, d, base_version=4))  # one of four equal learners: a quarter of a full round
+  np.testing.assert_allclose(g - global_of(c), 0.25 * d, rtol=1e-6)
+  # A learner with a 3x batch (300 tokens per period) among three of 100: its period is half the work.
+  c2, _ = make_core(num_learners=4, k=1, max_grace_s=0.0, scale_partial_rounds=True)
+  for i, tokens in enumerate((300, 100, 100, 100)):
+    c2.push(make_push(i, d, tokens=tokens))
+  g = global_of(c2)
+  c2.push(make_push(0, d, tokens=300, base_version=4))
+  np.testing.assert_allclose(g - global_of(c2), 0.5 * d, rtol=1e-6)
+  g = global_of(c2)
+  c2.push(make_push(1, d, tokens=100, base_version=4))
+  np.testing.assert_allclose(g - global_of(c2), d / 6, rtol=1e-6)
+  # Two periods of one learner in one round (K = 2 of 2, learner 0 pushes twice before learner 1): summed.
+  c3, clock3 = make_core(num_learners=2, k=2, max_grace_s=0.0, scale_partial_rounds=True)
+  c3.push(make_push(0, d, tokens=100))
+  c3.push(make_push(0, 3 * d, tokens=100))
+  g = global_of(c3)
+  c3.push(make_push(1, 5 * d, tokens=100))
+  assert c3.status()["versions"] == [1]
+  np.testing.assert_allclose(g - global_of(c3), 0.5 * (d + 3 * d) + 0.5 * 5 * d, rtol=1e-6)
 
 
 def test_k1_no_grace_commits_at_first_push_and_multiple_fragments_independent():
@@ -446,8 +496,8 @@ def test_core_rounds_match_the_unfused_outer_math(rda):
     for p in pushes:
       c.push(p)
     decoded = [codec.decode(p.payload, "int4", size) for p in pushes]
-    weights = outer.merge_weights([p.tokens for p in pushes], [p.steps for p in pushes])
-    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, weights, rda=rda))
+    raw = outer.raw_weights([p.tokens for p in pushes], [p.steps for p in pushes])
+    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, raw / raw.sum(), rda=rda))
     assert c.status()["versions"] == [version + 1]
     np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)

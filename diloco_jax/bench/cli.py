@@ -8,6 +8,8 @@
   syncer     parameters the syncer absorbs per second (merge, outer step, downlink) against memory speed
   multihost  a learner spanning several processes against one process on the same devices
   chaos      goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator
+  hetero     mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace, beside the
+             simulator, the data-parallel baseline and the paper
 
 Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 """
@@ -15,7 +17,7 @@ Each benchmark is a module `diloco_jax.bench.<name>` with `main(argv)`.
 from diloco_jax import subcommands
 
 BENCHMARKS = {name: f"diloco_jax.bench.{name}" for name in ("step", "quality", "overhead", "transport", "wan",
-                                                             "syncer", "multihost", "chaos")}
+                                                             "syncer", "multihost", "chaos", "hetero")}
 
 
 def main(argv) -> int:

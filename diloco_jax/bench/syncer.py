@@ -102,8 +102,8 @@ class Unfused:
       if not np.isfinite(delta).all():
         raise ValueError("nonfinite")
       deltas.append(delta)
-    weights = outer.merge_weights(tokens, [1] * len(tokens))
-    merged = outer.merge(deltas, weights)
+    raw = outer.raw_weights(tokens, [1] * len(tokens))
+    merged = outer.merge(deltas, outer.merge_coefficients(raw, float(raw.sum()), len(tokens)))
     self.theta, self.opt_state = outer.outer_step(self.tx, self.theta, self.opt_state, merged)
     if self.down == "fp32":
       return codec_lib.encode(self.theta, "fp32")

@@ -22,11 +22,13 @@ start) and a per-push `sequence`, so a push the transport retries after a lost r
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import secrets
+import statistics
 import threading
 import time
 
@@ -37,7 +39,7 @@ from diloco_jax.protocol import REJOIN_REASONS, Published, Push, PushReceipt, Re
 
 log = logging.getLogger(__name__)
 
-_STEP_TIME_EMA = 0.1  # weight of the newest step in the step time reported to the syncer
+_STEP_TIME_WINDOW = 32  # recent inner steps whose median is the step time reported to the syncer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,8 @@ class Comms:
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
-    self._step_time_s = 0.0  # reported by the inner loop, read by the heartbeat thread
+    # Reported by the inner loop, read by the heartbeat thread.
+    self._step_times: collections.deque[float] = collections.deque(maxlen=_STEP_TIME_WINDOW)
     self._step: int | None = None  # the inner loop's step counter, sent with heartbeats (None: unknown)
     self._stepped = False  # a step was reported with its count (the first one compiled: not timed)
     self._blocked = False  # the inner loop waits on the syncer
@@ -89,18 +92,17 @@ class Comms:
                                        name=f"learner{learner_id}-heartbeat")
 
   def report_step_time(self, seconds: float, step: int | None = None) -> None:
-    """The inner loop's latest step time (its running average feeds the syncer's grace window and goodput
-    estimate) and, if given, its step counter (sent with heartbeats: the syncer's evidence that this
-    learner makes progress, shown by its status). The first step a process reports with its count is left
-    out of the average: it compiled, and would weigh on it for dozens of steps."""
+    """The inner loop's latest step time and, if given, its step counter (sent with heartbeats: the syncer's
+    evidence that this learner makes progress, shown by its status). The median of the recent step times
+    feeds the syncer's grace window and goodput estimate: robust to the noise of single steps (a step that
+    waited for the host), unlike a mean. The first step a process reports with its count is left out: it
+    compiled."""
     with self._lock:
       warmup = step is not None and not self._stepped
       if step is not None:
         self._step, self._stepped = int(step), True
-      if warmup:
-        return
-      s = self._step_time_s
-      self._step_time_s = seconds if s == 0 else (1 - _STEP_TIME_EMA) * s + _STEP_TIME_EMA * seconds
+      if not warmup:
+        self._step_times.append(float(seconds))
 
   def report_step(self, step: int) -> None:
     """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
@@ -137,8 +139,9 @@ class Comms:
 
   @property
   def step_time_s(self) -> float:
+    """The median of the last 32 reported step times (0 before the first)."""
     with self._lock:
-      return self._step_time_s
+      return statistics.median(self._step_times) if self._step_times else 0.0
 
   @property
   def cpu_s(self) -> float:
@@ -260,10 +263,13 @@ class Comms:
       return self._result(fragment, 0, base_version, base_epoch, sync_epoch, None)
     if receipt is None:  # rejoined a restarted syncer: the push waits for the recovery
       return SyncResult(fragment, -1, None, late=False, abandoned=True)
-    # The learner's base for this fragment is the reference of base_version until this result is adopted
-    # (one sync per fragment in flight), so a delta from it applies if the syncer's epoch is still that
-    # base's (a syncer restored meanwhile answers with the full fragment).
-    return self._result(fragment, base_version + 1, base_version, base_epoch, sync_epoch, receipt)
+    # Wait for the version that merges this push (the receipt names it), not just any version after the
+    # base: a late push's base is already behind, and adopting a version without this learner's own work
+    # would set it back by a period. The learner's base for this fragment is the reference of base_version
+    # until this result is adopted (one sync per fragment in flight), so a delta from it applies if the
+    # syncer's epoch is still that base's (a syncer restored meanwhile answers with the full fragment).
+    merged = max(base_version + 1, receipt.version)
+    return self._result(fragment, merged, base_version, base_epoch, sync_epoch, receipt)
 
   def _push(self, push: Push, sync_epoch: int) -> PushReceipt | None:
     """The receipt, or None when the syncer forgot this learner because it restarted (another epoch)."""
@@ -292,8 +298,9 @@ class Comms:
 
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(self._heartbeat_s) and not self._leaving.is_set():
+      step_time = self.step_time_s
       with self._lock:
-        step_time, step, blocked = self._step_time_s, self._step, self._blocked
+        step, blocked = self._step, self._blocked
       try:
         self._see(self.transport.heartbeat(self.learner_id, step_time, step=step, blocked=blocked))
       except Rejected as e:

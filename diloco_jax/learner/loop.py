@@ -54,6 +54,7 @@ from diloco_jax import mesh as mesh_lib
 from diloco_jax import protocol
 from diloco_jax import trainer as trainer_lib
 from diloco_jax.learner.comms import Comms, SyncResult
+from diloco_jax.learner.pace import StepPacer
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,10 @@ class Learner:
     outer = config.outer
     num_learners = config.learners.num
     self.trainer = trainer_lib.MeshTrainer(
-        config, devices, workdir, batch_size=config.data.global_batch // num_learners,
+        config, devices, workdir, batch_size=config_lib.learner_batch(config, learner_id % num_learners),
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
         checkpoint_dir=checkpoint_dir, train_cfg=config_lib.learner_train(config))
+    self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
                                         outer.fragment_plan)
@@ -480,7 +482,11 @@ class Learner:
   def train_step(self) -> None:
     t0 = time.perf_counter()
     tokens_before = self.trainer.tokens
-    self.trainer.train_step()
+    metrics = self.trainer.train_step()
+    if self.pacer.active:
+      # Emulated speed: the step must have finished on the device before its wall time is stretched.
+      jax.block_until_ready(metrics)
+      self.pacer.stretch(time.perf_counter() - t0)
     blocked_before = self.stats.blocked_s
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
@@ -539,7 +545,9 @@ def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) ->
       "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
       "recoveries": stats.recoveries, "steps_taken_back": stats.steps_taken_back, "rebased": stats.rebased,
       **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
-      "local_eval_loss": eval_loss, "params": trainer.num_params,
+      "local_eval_loss": eval_loss, "params": trainer.num_params, "batch_size": trainer.batch_size,
+      "devices": len(trainer.mesh.devices.flat),
+      **({"pace": learner.pacer.stats()} if learner.pacer.active else {}),
   }
 
 

@@ -137,7 +137,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv, required=True)
   flags.DEFINE_string("token-file", None, "file holding the run token (else $DILOCO_TOKEN)", flag_values=fv)
   flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
-  flags.DEFINE_integer("devices", None, "devices of this learner (default config.learners.devices)",
+  flags.DEFINE_integer("devices", None, "devices of this learner (default learners.device_counts[id], else "
+                       "learners.devices)",
                        flag_values=fv)
   flags.DEFINE_string("tls-ca", None, "PEM CA that signed the syncer's certificate (enables TLS)",
                       flag_values=fv)
@@ -156,7 +157,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   """Train one learner against the syncer at `targets` (one address per shard) until `train.steps` or a
   signal; returns the summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
-  k = num_devices or config.learners.devices
+  k = num_devices or config_lib.learner_devices(config, learner_id)
   devices = jax.devices()
   if len(devices) < k:
     raise cli.UsageError(
@@ -283,17 +284,23 @@ def main(argv) -> int:
     targets = sharded.parse_targets(fv.syncer)
   except ValueError as e:
     raise cli.UsageError(str(e)) from None
-  k = fv.devices or config.learners.devices
   if fv.devices:
-    config.learners.devices = k
+    if config.learners.device_counts:
+      counts = list(config.learners.device_counts)
+      counts[learner_id] = fv.devices
+      config.learners.device_counts = tuple(counts)
+    else:
+      config.learners.devices = fv.devices
+  k = config_lib.learner_devices(config, learner_id)
   try:
     spec = multihost.spec_from_flags(fv)
   except ValueError as e:
     raise cli.UsageError(str(e)) from None
   if spec.enabled:  # before anything starts a jax backend (the plan check below does)
     multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
-  # Validate as one learner of the run: the device total is checked above, per process.
-  cli.validated(config, config.learners.num * k, learners=True)
+  # Validate as one learner of the run: the device total is checked in `run`, per process.
+  cli.validated(config, sum(config_lib.learner_devices(config, i) for i in range(config.learners.num)),
+                learners=True)
   try:
     token = protocol.read_token(fv["token-file"].value)
   except (OSError, ValueError) as e:

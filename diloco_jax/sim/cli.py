@@ -57,5 +57,18 @@ def numbers(fv, name: str, kind=float) -> list:
   return values
 
 
+def parse_groups(text: str) -> tuple[tuple[float, int], ...]:
+  """`--groups SPEED:LEARNERS[,SPEED:LEARNERS...]` (e.g. 0.847:4,1:4) as ((speed, learners), ...)."""
+  groups = []
+  for part in (x for x in text.split(",") if x.strip()):
+    try:
+      speed, count = part.split(":")
+      groups.append((float(speed), int(count)))
+    except ValueError:
+      raise cli.UsageError(f"--groups must be SPEED:LEARNERS[,SPEED:LEARNERS...], e.g. 0.847:4,1:4; "
+                           f"got {text!r}") from None
+  return tuple(groups)
+
+
 def main(argv) -> int:
   return subcommands.dispatch(SIMULATORS, list(argv), __doc__, what="simulator")

@@ -27,7 +27,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.sim import goodput
-from diloco_jax.sim.cli import definer, numbers, progress
+from diloco_jax.sim.cli import definer, numbers, parse_groups, progress
 
 _DEFAULT = goodput.SimConfig()
 
@@ -85,18 +85,6 @@ def _flags(fv):
   define("bool", "plot", True, "Write the PNG (--noplot to skip).")
 
 
-def _groups(text: str) -> tuple[tuple[float, int], ...]:
-  groups = []
-  for part in (x for x in text.split(",") if x.strip()):
-    try:
-      speed, count = part.split(":")
-      groups.append((float(speed), int(count)))
-    except ValueError:
-      raise cli.UsageError(f"--groups must be SPEED:LEARNERS[,SPEED:LEARNERS...], e.g. 0.847:4,1:4; "
-                           f"got {text!r}") from None
-  return tuple(groups)
-
-
 def sim_config(fv) -> goodput.SimConfig:
   v = lambda name: fv[name].value
   return goodput.SimConfig(
@@ -106,7 +94,7 @@ def sim_config(fv) -> goodput.SimConfig:
       inner_steps=v("inner-steps"), fragments=v("fragments"), snapshot_s=v("snapshot-s"), t_sync_s=v("t-sync-s"),
       min_quorum=v("min-quorum"), tau=v("tau"), grace_gamma=v("grace-gamma"), max_grace_s=v("max-grace-s"),
       max_in_flight=v("max-in-flight"), learner_recovery=v("learner-recovery"), rejoin_s=v("rejoin-s"),
-      groups=_groups(v("groups")), speed_spread=v("speed-spread"), failures_per_job=v("failures-per-job"),
+      groups=parse_groups(v("groups")), speed_spread=v("speed-spread"), failures_per_job=v("failures-per-job"),
       horizon_s=v("horizon-s"), max_pushes=v("max-pushes"),
   )
 

@@ -13,8 +13,8 @@ The learners follow the real learner's rules (`diloco_jax/learner/loop.py`):
 The syncer keeps one open round per fragment. A push joins the open round (or opens one); a learner is in
 a round at most once: a second push of the same learner waits for the next round (it is merged there, as a
 late contribution). The round closes when `syncer.policy.round_close_time` says so, evaluated on the
-round's arrivals after each of them, with the learners alive at that moment (the project's own quorum and
-grace rule, not a copy).
+round's arrivals (and their learners' step times) after each of them, with the learners alive at that
+moment (the project's own quorum and grace rule, not a copy).
 
 Each learner's wall time runs through its failure stalls (from `goodput.simulate_job`): it computes only
 outside them. Inner steps vary with coefficient of variation `step_cv` (a segment of n steps takes a
@@ -140,11 +140,12 @@ class _Sync:
 
 
 class _Round:
-  __slots__ = ("opened", "arrivals", "members", "results", "gen")
+  __slots__ = ("opened", "arrivals", "step_times", "members", "results", "gen")
 
   def __init__(self, opened):
     self.opened = opened
     self.arrivals: list[float] = []
+    self.step_times: list[float] = []  # the arriving learner's mean step time, one per arrival
     self.members: set[int] = set()
     self.results: list[_Sync] = []  # syncs whose result is this round's publish
     self.gen = 0
@@ -160,7 +161,7 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
   order = s.fragment_order()
   n_seg = len(segs)
   clocks = [_Clock(lr.stall_starts, lr.stall_ends) for lr in learners]
-  step_estimate = syncer_policy.estimate_step_time([s.step_s / lr.speed for lr in learners])
+  step_times = [s.step_s / lr.speed for lr in learners]  # what each learner reports to the syncer
   tau_work = [s.tau * s.step_s / lr.speed for lr in learners]
 
   # Alive learners over time (stalled = not alive), for the policy's effective quorum.
@@ -218,7 +219,7 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
     schedule_event(clocks[j].wall(target(j, 0)), _PUSH, j)
 
   def evaluate(p: int, rnd: _Round, now: float) -> None:
-    close = syncer_policy.round_close_time(policy, rnd.arrivals, max(alive(now), 1), step_estimate, s.t_sync_s)
+    close = syncer_policy.round_close_time(policy, rnd.arrivals, max(alive(now), 1), rnd.step_times, s.t_sync_s)
     if close is not None:
       rnd.gen += 1
       schedule_event(max(close, now), _CLOSE, p, rnd.gen)
@@ -235,6 +236,7 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
     else:
       rnd.members.add(j)
       rnd.arrivals.append(now)
+      rnd.step_times.append(step_times[j])
       evaluate(p, rnd, now)
     if sync is not None:
       rnd.results.append(sync)
@@ -309,6 +311,7 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
       closes0.append(now)
     if record:
       round_records.append({"fragment": p, "opened": rnd.opened, "arrivals": list(rnd.arrivals),
+                            "step_times": list(rnd.step_times),
                             "members": sorted(rnd.members), "alive": alive(rnd.arrivals[-1]),
                             "closed": now, "version": version[p]})
     for sync in rnd.results:
@@ -324,6 +327,7 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
         if j not in nxt.members:
           nxt.members.add(j)
           nxt.arrivals.append(now)
+          nxt.step_times.append(step_times[j])
       evaluate(p, nxt, now)
 
   while heap:

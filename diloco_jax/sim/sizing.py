@@ -3,9 +3,11 @@
     python -m diloco_jax sim sizing --config configs/b1.py --learners 8 [--step-s 1.2] [--json]
 
 The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
-fragments, their Nesterov momentum, the downlink reference (only with a lossy `outer.downlink_codec`; with
-fp32 the reference is the global fragment itself) and the cached fp32 answer to full pulls (joins,
-restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
+fragments, their Nesterov momentum (which also holds the pending sum of partial rounds under a quorum
+K < M: no extra vector), the downlink references (only with a lossy
+`outer.downlink_codec`: one per version of the last `outer.downlink_history`, plus a spare when it keeps
+more than one; with fp32 the reference is the global fragment itself) and the cached fp32 answer to full
+pulls (joins, restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
 has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
 `fragments.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
 fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
@@ -46,28 +48,32 @@ def fragment_sizes(config) -> tuple[int, ...]:
   return tuple(plan.size(p) for p in range(plan.num_fragments))
 
 
-def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int) -> dict[str, int]:
+def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int,
+                    downlink_history: int = 1) -> dict[str, int]:
   """Bytes the syncer holds for one fragment of `n` elements (`syncer/core.py`, `syncer/downlink.py`): the
-  fp32 global and its Nesterov momentum; the downlink reference (its own fp32 copy only with a lossy
-  `downlink_codec`: with fp32 it is the global array itself) and the latest delta (lossy downlink only); the
-  cached fp32 answer to full pulls; and `push`, one learner's contribution as an open round buffers it (the
-  payload as it arrived, in the uplink `codec`)."""
+  fp32 global and its Nesterov momentum; the downlink references (their own fp32
+  copies only with a lossy `downlink_codec`, one per version of the last `downlink_history` plus a spare
+  when that is more than one: with fp32 the reference is the global array itself) and their deltas (lossy
+  downlink only); the cached fp32 answer to full pulls; and `push`, one learner's contribution as an open
+  round buffers it (the payload as it arrived, in the uplink `codec`)."""
   delta_downlink = downlink_codec != "fp32"
+  references = downlink_history + (downlink_history > 1) if delta_downlink else 0
   return {
       "global": 4 * n,
       "momentum": 4 * n,
-      "reference": 4 * n if delta_downlink else 0,
+      "reference": references * 4 * n,
       "full_answer": 4 * n,
-      "latest_delta": codec_lib.encoded_size(n, downlink_codec, block) if delta_downlink else 0,
+      "latest_delta": downlink_history * codec_lib.encoded_size(n, downlink_codec, block) if delta_downlink else 0,
       "push": codec_lib.encoded_size(n, codec, block),
   }
 
 
 def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
-                  max_in_flight: int) -> dict[str, int]:
+                  max_in_flight: int, downlink_history: int = 1) -> dict[str, int]:
   """Bytes of the memory of a syncer process that owns fragments of `sizes` elements, by part, and `total`
-  (the peak estimate); see the module docstring."""
-  held = [fragment_memory(n, codec=codec, downlink_codec=downlink_codec, block=block) for n in sizes]
+  (the peak estimate); see the module docstring. `downlink_history`: `fragment_memory`."""
+  held = [fragment_memory(n, codec=codec, downlink_codec=downlink_codec, block=block,
+                          downlink_history=downlink_history) for n in sizes]
   total_of = lambda key: sum(f[key] for f in held)
   model_bytes = 4 * sum(sizes)
   largest = 4 * max(sizes)
@@ -92,7 +98,7 @@ def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, bloc
   serving = parts["open_rounds"] + parts["pushes_receiving"] + parts["checkpoint_transient"] + parts["merge_transient"]
   # Resume and start happen before any learner pushes: their transients do not meet open rounds.
   parts["total"] = resident + max(serving, parts["resume_transient"], parts["start_transient"])
-  parts["checkpoint_bytes"] = vectors * model_bytes + parts["latest_deltas"]
+  parts["checkpoint_bytes"] = vectors * model_bytes + parts["latest_deltas"] // downlink_history
   return parts
 
 
@@ -103,9 +109,15 @@ def syncer_memory_bytes(config, learners: int | None = None) -> int:
 
 def _syncer_parts(config, sizes, learners: int | None) -> dict[str, int]:
   o = config.outer
-  return syncer_memory(sizes, learners or config.learners.num, codec=o.codec,
-                       downlink_codec=o.get("downlink_codec", "fp32"), block=o.codec_block,
-                       max_in_flight=in_flight(config))
+  learners = learners or config.learners.num
+  return syncer_memory(sizes, learners, codec=o.codec, downlink_codec=o.get("downlink_codec", "fp32"),
+                       block=o.codec_block, max_in_flight=in_flight(config),
+                       downlink_history=downlink_history(config, learners))
+
+
+def downlink_history(config, learners: int) -> int:
+  """Downlink references the syncer keeps per fragment: `outer.downlink_history`, 0 = 2 x `learners`."""
+  return config.outer.get("downlink_history", 0) or 2 * learners
 
 
 def in_flight(config) -> int:
@@ -174,7 +186,7 @@ def format_sizing(s: dict, config) -> str:
       f"syncer memory, peak estimate: {_gb(sy['total'])}",
   ]
   for key, what in (("process", "process (Python, jax, gRPC, orbax)"), ("global", "global fragments (fp32)"),
-                    ("momentum", "Nesterov momentum (fp32)"), ("reference", "downlink reference (fp32)"),
+                    ("momentum", "Nesterov momentum (fp32)"), ("reference", "downlink references (fp32)"),
                     ("full_answer", "cached full answer (fp32)"), ("latest_deltas", "latest downlink deltas"),
                     ("open_rounds", "open rounds (pushes as they arrived)"),
                     ("pushes_receiving", "pushes being received"),

@@ -3,8 +3,7 @@ a config's schedule, and the number of shards that keeps up. Pure functions of t
 figures; `python -m diloco_jax sim syncer` (`sim/syncer_cli.py`) prints them for the shipped configs.
 
 Memory. What the syncer holds per fragment is `sizing.fragment_memory` (the fp32 global, the Nesterov
-momentum, the downlink reference with a lossy downlink, the cached fp32 answer, the latest delta, and the
-pushes an open round buffers as they arrived); a syncer process owning a set of fragments has the peak
+momentum, the downlink references with a lossy downlink, the cached fp32 answer, the latest deltas, and the pushes an open round buffers as they arrived); a syncer process owning a set of fragments has the peak
 estimate `sizing.syncer_memory` of that set (its process, the open rounds of its M learners, the copies
 while a checkpoint is written). A shard is one such process on its own host.
 
@@ -70,13 +69,16 @@ class Setup:
   downlink_codec: str
   block: int
   max_in_flight: int  # per learner (`fragments.in_flight_limit`)
+  downlink_history: int = 1  # references kept per fragment with a lossy downlink
 
   def fragment_memory(self, n: int) -> dict[str, int]:
-    return sizing.fragment_memory(n, codec=self.codec, downlink_codec=self.downlink_codec, block=self.block)
+    return sizing.fragment_memory(n, codec=self.codec, downlink_codec=self.downlink_codec, block=self.block,
+                                  downlink_history=self.downlink_history)
 
   def memory(self, sizes, learners: int) -> dict[str, int]:
     return sizing.syncer_memory(sizes, learners, codec=self.codec, downlink_codec=self.downlink_codec,
-                                block=self.block, max_in_flight=self.max_in_flight)
+                                block=self.block, max_in_flight=self.max_in_flight,
+                                downlink_history=self.downlink_history)
 
 
 def shard_layout(setup: Setup, learners: int, shards: int, step_s: float) -> list[dict]:

@@ -71,7 +71,8 @@ def load_config(path: str):
 def setup_of(config) -> syncer.Setup:
   o = config.outer
   return syncer.Setup(sizes=sizing.fragment_sizes(config), sync_every=o.sync_every, codec=o.codec,
-                      downlink_codec=o.downlink_codec, block=o.codec_block, max_in_flight=sizing.in_flight(config))
+                      downlink_codec=o.downlink_codec, block=o.codec_block, max_in_flight=sizing.in_flight(config),
+                      downlink_history=sizing.downlink_history(config, config.learners.num))
 
 
 def rows_for(name: str, config, setup: syncer.Setup, learners: list[int], step_s: float, shards: int,

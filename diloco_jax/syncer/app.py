@@ -173,6 +173,7 @@ def main(argv) -> int:
                  fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
                  allow_remote=fv["allow-remote"].value)
   periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
+  rounds_log = metrics_lib.DrainLog(core.drain_decisions, workdir, "rounds")
   metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
   monitor = SyncerMonitor(core, metrics_log)
   host = fv.bind.rsplit(":", 1)[0]
@@ -188,6 +189,7 @@ def main(argv) -> int:
   closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
   if closed:
     print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
+  rounds_log.close()  # after the last rounds closed: their decisions are written too
   monitor.stop()
   metrics_log.close()
   step = periodic.stop()

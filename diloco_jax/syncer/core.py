@@ -20,25 +20,42 @@ or it pushed, within the last `stall_s` seconds plus one of its own step times. 
 lapses, and counts again with its next heartbeat that shows progress. A heartbeat without a counter
 (step -1) counts as progress (clients that do not send one keep the lease-only rule).
 
-Rounds, per fragment p. A round opens with its first contribution. With L counted learners, it may close once
-`effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
-after the opening); it then stays open for `grace_window_s(policy, step_time, t_quorum, t_sync)` seconds,
-where step_time is `estimate_step_time` of the live learners' reported step times and t_sync a running
-average (EMA) of this fragment's merge + outer step + encode time, measured on the same clock. It closes
-early as soon as every counted learner has contributed. Once the quorum is reached, the deadline is fixed.
-Closing: merge weights (`outer.merge_weights`, staleness s = version - base_version, discount
-(1 + s)^-beta), merge (the weighted mean, optionally RDA), with `scale_partial_rounds` the merged outer
-gradient scaled by `outer.participation` (k of n counted learners -> k/n), Nesterov outer step, version += 1, the new global
-fragment published for the downlink (below), and waiting pulls are woken. Contributions are held as they
-arrived (their payloads, checked at push time: checksum, finiteness and norm, none of which decodes a
-quantized payload), and the close decodes, weighs, sums and steps them in one chunked pass over the
-fragment (`outer.apply_round`, on `merge_threads` threads), updating the global and its momentum in
-place. A contribution that arrives after its round's deadline goes into the next round (never lost); one
-based on an older version ("late") is merged with its staleness discount. A learner pushing the same
-fragment twice into one round has both contributions merged (quorum counts it once).
+Rounds, per fragment p. A round opens with its first contribution. With L counted learners, it may close
+once `effective_quorum(policy, L)` distinct learners contributed (the time the K-th arrived is `t_quorum`
+after the opening); it then stays open for `round_grace_s(policy, offsets, step_times, t_quorum, t_sync)`
+seconds (`syncer/policy.py`, the paper's Eq. 3 per learner): offsets and step times are those of the
+contributors in at the quorum, each learner's step time the robust estimate it reports with its
+heartbeats (the median of its recent steps; a learner that never reported gets the median of the counted
+learners' reports), and t_sync a running average (EMA) of this fragment's merge + outer step + encode
+time, measured on the same clock. It closes early as soon as every counted learner has contributed. Once
+the quorum is reached, the deadline is fixed. Closing: every push j gets the coefficient
+`c_j = w_j / W * (1 + s_j)^-beta` (`outer.merge_coefficients`: w_j the merge rule's raw weight of its capped
+claims, below; staleness s_j the rounds closed since the push's base version; W the raw weight of one
+period of every learner the round answers for: with `scale_partial_rounds` every counted learner and every
+contributor, each counted once with the weight of its latest push of this fragment, else only the
+contributors), the merged outer gradient `sum_j c_j v_j` (optionally RDA), and the Nesterov outer step
+with the round's share of a full round (`outer.make_outer_optimizer`: the momentum moves once per full
+share, delayed Nesterov); the new global fragment is published for the downlink as one version (below:
+a delta from the base version most of the round's pushes hold), and waiting pulls are woken. So a round
+holding part of the counted learners' work moves the model by that share of a full round (k/n for equal
+learners; by tokens when their batches differ), a learner that pushed two periods into one round has both summed,
+and a lone stale push keeps its discount. Contributions are held as they arrived (their payloads, checked
+at push time: checksum, finiteness and norm, none of which decodes a quantized payload), and the close
+decodes, weighs, sums and steps them in one chunked pass over the fragment (`outer.apply_round`, on
+`merge_threads` threads), updating the global and its momentum in place (the momentum vector also holds
+the pending sum of a cycle of partial rounds: no extra fragment-sized state). A contribution that
+arrives after its round's deadline goes into the next round (never lost); one based on an older version
+("late") is merged with its staleness discount. The receipt of a push names the version that will merge
+it (`PushReceipt.version`): the learner waits for that one, not for any newer version than its base.
 
-Downlink: `syncer/downlink.py` (reference-tracking deltas, epochs). The core draws a new epoch when it is
-created and on every `load_state_dict`.
+Decisions. Closing a round builds a record of what was decided (`decision_record`: who contributed, with
+which base, staleness, tokens and coefficient; who the grace window waited for and who arrived in it; the
+quorum time, the grace window and its inputs, how long the round stayed open, why it closed). The core
+keeps the latest records in a bounded queue; `drain_decisions()` hands them to the shell that writes
+them (`rounds.jsonl`: `syncer/app.py`, `inprocess.py`).
+
+Downlink: `syncer/downlink.py` (reference-tracking deltas from the version the round's contributors
+hold, epochs). The core draws a new epoch when it is created and on every `load_state_dict`.
 
 Lifetimes and versions. The core keeps the history of the lifetimes (epochs) its global model went through
 (`protocol.EpochRecord`: the rounds each began from and its version offset), checkpointed with the state,
@@ -71,8 +88,8 @@ changes nothing else.
 Merge safety (nothing a single push claims or sends can dominate a merge or poison the global):
 * Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
   whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
-  per-learner batch tokens of one inner step): "overclaim". The merge weight then counts at most one
-  schedule period: tokens and steps enter `outer.merge_weights` capped at `sync_every` steps (and their
+  largest learner's batch tokens of one inner step): "overclaim". The merge weight then counts at most one
+  schedule period: tokens and steps enter `outer.raw_weights` capped at `sync_every` steps (and their
   tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
   more than an honest learner's full period.
 * Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
@@ -103,6 +120,7 @@ import copy
 import dataclasses
 import logging
 import math
+import statistics
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -115,7 +133,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import outer
 from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
-from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, grace_window_s
+from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +150,8 @@ WARMUP_RMS = 0.1  # before NORM_WARMUP accepted norms, the reference is at least
 KEYS_PER_LEARNER = 16  # idempotency keys remembered per learner
 STATUS_MEMBERS = 64  # members shown in detail by `status` (all are counted)
 STATUS_IDS = 1024  # ids listed by `status` (live learners, round contributors); all are counted
+_MAX_DECISIONS = 10_000  # decision records kept for `drain_decisions` (the oldest are dropped beyond)
+_VERSIONS_REMEMBERED = 4096  # per fragment, the round each recent version was published in (staleness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +177,12 @@ class SyncerSettings:
   merge_threads: int = 1  # threads of the chunked merge, outer step and downlink encode (`chunked`)
   num_learners: int = 1  # learner ids lie in [0, num_learners)
   # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
-  tokens_per_step: int = 0  # one learner's tokens per inner step: global_batch / learners.num x seq_len
+  tokens_per_step: int = 0  # the largest learner's tokens per inner step (its share of global_batch x seq_len)
   sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
   max_push_steps: int = 0  # train.steps: no push may claim more
   max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
   owned: tuple[int, ...] | None = None  # the fragments this core (one shard) serves; None: all of them
+  downlink_history: int = 1  # references kept per fragment (`syncer/downlink.py`); 1 = only the latest
 
   def __post_init__(self):
     if self.num_fragments < 1 or len(self.sizes) != self.num_fragments:
@@ -197,6 +218,8 @@ class SyncerSettings:
                                    or not all(0 <= p < self.num_fragments for p in self.owned)):
       raise ValueError(f"owned fragments must be a sorted, non-empty set of fragments in "
                        f"[0, {self.num_fragments}), got {self.owned}")
+    if self.downlink_history < 1:
+      raise ValueError(f"outer.downlink_history must be >= 1, got {self.downlink_history}")
 
   def owns(self, p: int) -> bool:
     """Whether this core serves fragment p (every fragment, unsharded)."""
@@ -234,11 +257,14 @@ class SyncerSettings:
         stall_s=config_lib.stall_bound_s(config),
         merge_threads=int(config.syncer.merge_threads) or chunked.default_threads(),
         num_learners=int(config.learners.num),
-        tokens_per_step=int(config.data.global_batch // config.learners.num * config.data.seq_len),
+        # The largest learner's batch: learners with more devices take more tokens per step.
+        tokens_per_step=int(max(config_lib.learner_batch(config, i) for i in range(config.learners.num))
+                            * config.data.seq_len),
         sync_every=int(o.sync_every),
         max_push_steps=int(config.train.steps),
         max_norm_ratio=float(o.max_norm_ratio),
         owned=owned,
+        downlink_history=int(o.downlink_history or 2 * config.learners.num),
     )
 
 
@@ -257,6 +283,8 @@ class _Member:
   # Inner steps of its contributions merged since this syncer started, summed over fragments (each
   # fragment's contributions count the same steps: `status` divides by P).
   steps_merged: int = 0
+  # Per fragment, the merge rule's raw weight of its latest push (capped claims): one period of its work.
+  period_weights: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def live(self, now: float) -> bool:
     return not self.left and now <= self.lease_until
@@ -298,6 +326,11 @@ class _Round:
   contributions: list[_Contribution] = dataclasses.field(default_factory=list)
   deadline: float | None = None  # fixed once the quorum is reached
   quorum_at: float | None = None  # when the quorum was reached (the grace window runs from here)
+  # Set at the quorum, for the decision record: the grace window and its inputs, who it waits for.
+  grace_s: float = 0.0
+  step_times_s: tuple[float, ...] = ()  # of the contributors in at the quorum, in order of arrival
+  t_sync_s: float = 0.0
+  waited_for: tuple[int, ...] = ()  # live learners not yet in at the quorum
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -336,6 +369,39 @@ def _new_counters(num_fragments: int) -> dict[str, Any]:
       "tokens_rolled_back": 0,
       "contributions_lost_open": 0,
       "rounds_closed_at_stop": 0,
+  }
+
+
+def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why: str, live: Sequence[int],
+                    staleness: Sequence[int], coefficients: Sequence[float], period_weight: float,
+                    answered: int, t_sync_s: float, share: float) -> dict:
+  """What a round decided, as plain JSON values (times in seconds from the round's opening).
+
+  `contributions`: one entry per push in arrival order (learner, base version, staleness, steps, tokens,
+  arrival, coefficient). `quorum_s`, `grace_s`, `step_times_s`, `t_sync_s`: the grace window and its inputs
+  (`syncer/policy.py`), `waited_for`: the live learners not yet in at the quorum, `arrived_in_grace`: those
+  of them that made it, `open_s`: how long the round stayed open, `close`: "all_in" (every live learner
+  contributed) or "deadline". `period_weight`, `answered_for`: W and the learners it sums over, `share`:
+  the share of a full round of work the round held (1 for everyone's period; before the discount),
+  `moved`: the sum of the coefficients (the share with the staleness discount).
+  """
+  first = {}
+  for c in rnd.contributions:
+    first.setdefault(c.learner_id, c.arrived)
+  quorum_at = rnd.quorum_at if rnd.quorum_at is not None else rnd.opened
+  return {
+      "fragment": fragment, "version": version, "close": why,
+      "contributors": list(first)[:STATUS_IDS], "live": list(live)[:STATUS_IDS],
+      "contributions": [
+          {"learner": c.learner_id, "base_version": c.base_version, "staleness": int(s), "steps": c.steps,
+           "tokens": c.tokens, "arrived_s": c.arrived - rnd.opened, "coefficient": float(w)}
+          for c, s, w in zip(rnd.contributions, staleness, coefficients)],
+      "quorum_s": quorum_at - rnd.opened, "grace_s": rnd.grace_s, "step_times_s": list(rnd.step_times_s),
+      "t_sync_s": rnd.t_sync_s, "waited_for": list(rnd.waited_for)[:STATUS_IDS],
+      "arrived_in_grace": [i for i in rnd.waited_for if i in first][:STATUS_IDS],
+      "open_s": closed - rnd.opened, "merge_s": t_sync_s,
+      "period_weight": float(period_weight), "answered_for": answered, "share": share,
+      "moved": float(np.sum(coefficients)),
   }
 
 
@@ -380,8 +446,14 @@ class SyncerCore:
     n = settings.num_fragments
     # Per fragment: the Nesterov momentum (float32, like the global; both updated in place by a close).
     self._momenta = [np.zeros_like(g) for g in self._globals]
+    # Delayed Nesterov (`outer.delayed_nesterov_step_`): whether a cycle of partial rounds is open (their
+    # gradients folded into the momentum vector), and their share of a full round.
+    self._cycle_open = [False] * n
+    self._pending_shares = [0.0] * n
     self._versions = [0] * n
     self._rounds = [0] * n  # index of each fragment's next round to close (= rounds the model holds)
+    # Rounds closed when each recent version was published: staleness counts rounds.
+    self._version_round: list[dict[int, int]] = [{0: 0} for _ in range(n)]
     self._open: list[_Round | None] = [None] * n
     self._t_sync = [0.0] * n
     self._members: dict[int, _Member] = {}
@@ -398,7 +470,9 @@ class SyncerCore:
     self._started = clock()
     self._since_start = {"rounds": 0, "contributors": 0, "grace_wait_s": 0.0}
     self._downlink = Downlink(settings.held_sizes, settings.downlink_codec, settings.block, self._globals,
-                              epoch=new_epoch(), threads=settings.merge_threads)
+                              epoch=new_epoch(), threads=settings.merge_threads, history=settings.downlink_history)
+    self._decisions: collections.deque[dict] = collections.deque(maxlen=_MAX_DECISIONS)
+    self.decisions_dropped = 0
     self._history = [EpochRecord(self._downlink.epoch, (0,) * n, (0,) * n)]
     self._journal: Callable[[dict, bool], None] | None = None
 
@@ -461,6 +535,7 @@ class SyncerCore:
       offsets = tuple(v - r for v, r in zip(floor, self._rounds))
       self._history[-1] = dataclasses.replace(self._history[-1], version_offsets=offsets)
       self._downlink = Downlink.renumbered(self._downlink, floor)
+      self._version_round = [{v: r} for v, r in zip(floor, self._rounds)]
     saved = _merge_counters(n, record.get("counters", {}))
     model = {k: copy.deepcopy(self.counters[k]) for k in MODEL_COUNTERS}
     events = {}
@@ -526,7 +601,8 @@ class SyncerCore:
                                           step=old.step if old else None,
                                           step_at=old.step_at if old else None,
                                           last_push=old.last_push if old else None,
-                                          steps_merged=old.steps_merged if old else 0)
+                                          steps_merged=old.steps_merged if old else 0,
+                                          period_weights=old.period_weights if old else {})
       self.counters["joins"] += 1
       self._changed()
       return Versions(((p, v) for p, v in enumerate(self._versions) if self.settings.owns(p)), epoch=self.epoch,
@@ -714,7 +790,7 @@ class SyncerCore:
       # Close whatever is due first: a push after a round's deadline belongs to the next round.
       self._tick_locked()
       now = self.clock()
-      late = push.base_version < self._versions[p]
+      late = self._staleness_locked(p, push.base_version) > 0
       if self._open[p] is None:
         self._open[p] = _Round(opened=now)
       key = (push.incarnation, push.sequence) if push.incarnation else None
@@ -729,8 +805,11 @@ class SyncerCore:
       member.last_push = now
       self.counters["bytes_in"] += len(push.payload)
       self.counters["contributions_late"] += int(late)
+      member.period_weights[p] = float(outer.raw_weights([weight_tokens], [weight_steps], s.merge_rule)[0])
       self.counters["contributions_accepted"] += 1
-      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, epoch=self.epoch)
+      # The open round publishes the next version: that one merges this push.
+      receipt = PushReceipt(fragment=p, round=self._rounds[p], late=late, epoch=self.epoch,
+                            version=self._versions[p] + 1)
       if key is not None:
         keys = self._keys.setdefault(push.learner_id, collections.OrderedDict())
         keys[key] = _KeyRecord(push.checksum, receipt)
@@ -750,6 +829,10 @@ class SyncerCore:
 
   def _step_time(self, now: float) -> float:
     return estimate_step_time([self._members[i].step_time_s for i in self._counted(now)])
+
+  def _learner_step_time(self, learner_id: int, fallback: float) -> float:
+    member = self._members.get(learner_id)
+    return member.step_time_s if member is not None and member.step_time_s > 0 else fallback
 
   def _prune_locked(self, now: float) -> None:
     """Forget members whose lease lapsed (or that left) more than a lease ago: they join again."""
@@ -780,15 +863,11 @@ class SyncerCore:
       if rnd.deadline is None:
         k = effective_quorum(self.settings.policy, len(counted))
         if len(contributors) >= k:
-          quorum_at = next(c.arrived for c in rnd.contributions if c.learner_id == contributors[k - 1])
-          grace = grace_window_s(self.settings.policy, self._step_time(now), quorum_at - rnd.opened,
-                                 self._t_sync[p])
-          rnd.deadline = quorum_at + grace
-          rnd.quorum_at = quorum_at
+          self._reach_quorum_locked(p, rnd, contributors[:k], counted, now)
       if rnd.deadline is None:
         continue
       if now >= rnd.deadline or counted <= set(contributors):
-        if self._close_locked(p):
+        if self._close_locked(p, "all_in" if counted <= set(contributors) else "deadline"):
           committed.append(p)
         else:
           refused = True
@@ -796,7 +875,43 @@ class SyncerCore:
       self._cond.notify_all()
     return committed
 
-  def _close_locked(self, p: int) -> bool:
+  def _reach_quorum_locked(self, p: int, rnd: _Round, quorum: list[int], live: set[int], now: float) -> None:
+    """Fix the round's deadline: the quorum time plus the per-learner grace window (`round_grace_s`)."""
+    first = {}
+    for c in rnd.contributions:
+      first.setdefault(c.learner_id, c.arrived)
+    fallback = self._step_time(now)
+    rnd.quorum_at = first[quorum[-1]]
+    rnd.step_times_s = tuple(self._learner_step_time(i, fallback) for i in quorum)
+    rnd.t_sync_s = self._t_sync[p]
+    rnd.grace_s = round_grace_s(self.settings.policy, [first[i] - rnd.opened for i in quorum], rnd.step_times_s,
+                                rnd.quorum_at - rnd.opened, rnd.t_sync_s)
+    rnd.deadline = rnd.quorum_at + rnd.grace_s
+    rnd.waited_for = tuple(sorted(live - set(rnd.contributors())))
+
+  def _staleness_locked(self, p: int, base_version: int) -> int:
+    """Rounds of fragment p closed since `base_version` was published (the version difference, an upper
+    bound, for a version older than the ones remembered)."""
+    published_at = self._version_round[p].get(base_version)
+    if published_at is None:
+      return max(self._versions[p] - base_version, 0)
+    return self._rounds[p] - published_at
+
+  def _coefficients_locked(self, p: int, rnd: _Round, live: list[int]) -> tuple[np.ndarray, float, int]:
+    """(raw weights, W, learners answered for) of a round's pushes, for `outer.merge_coefficients`: W sums
+    one period weight per contributor and, with `scale_partial_rounds`, per live learner (its latest push
+    of this fragment's; a learner that never pushed it counts as the mean of the others)."""
+    s = self.settings
+    cs = rnd.contributions
+    raw = outer.raw_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule)
+    answered = set(rnd.contributors()) | (set(live) if s.scale_partial_rounds else set())
+    weights = {i: self._members[i].period_weights.get(p, 0.0) if i in self._members else 0.0 for i in answered}
+    known = [w for w in weights.values() if w > 0]
+    typical = statistics.fmean(known) if known else 0.0
+    period = sum(w if w > 0 else typical for w in weights.values())
+    return raw, period, len(answered)
+
+  def _close_locked(self, p: int, why: str) -> bool:
     """Merge and publish fragment p's open round; False if it was refused (a non-finite result)."""
     s = self.settings
     rnd = self._open[p]
@@ -806,19 +921,27 @@ class SyncerCore:
     for c in cs:
       if c.key is not None and c.key in self._keys.get(c.learner_id, {}):
         self._keys[c.learner_id][c.key].settled = True
-    weights = outer.merge_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], s.merge_rule,
-                                  staleness=[self._versions[p] - c.base_version for c in cs],
-                                  beta=s.staleness_beta)
-    scale = 1.0
-    if s.scale_partial_rounds:
-      scale = outer.participation(len(rnd.contributors()), len(self._counted(started)))
+    live = self._counted(started)
+    raw, period, answered = self._coefficients_locked(p, rnd, live)
+    staleness = [self._staleness_locked(p, c.base_version) for c in cs]
+    coefficients = outer.merge_coefficients(raw, period, answered, staleness, s.staleness_beta)
+    # The share of a full round's work this round holds (undiscounted): the outer momentum moves once
+    # per full share (delayed Nesterov, `outer.make_outer_optimizer`).
+    share = float(np.sum(outer.merge_coefficients(raw, period, answered)))
+    full, pending_share = outer.share_after(self._pending_shares[p], share)
+    # The fused pass normalizes its weights; the scale restores the coefficients' sum (0 for a round whose
+    # pushes all claim no tokens: it moves nothing).
+    moved = float(np.sum(coefficients))
+    weights = coefficients if moved > 0 else np.ones_like(coefficients)
     # In place, all or nothing: a round that would leave a non-finite value writes nothing.
     result = outer.apply_round(self._globals[p], self._momenta[p], [c.encoded for c in cs], weights,
                                codec_name=s.codec, block=s.block, lr=s.outer_lr, mu=s.outer_momentum, rda=s.rda,
-                               norms=[c.norm for c in cs], scale=scale, threads=s.merge_threads,
-                               state_norms=(self._global_norms[p], self._momentum_norms[p]))
+                               norms=[c.norm for c in cs], scale=moved, threads=s.merge_threads,
+                               state_norms=(self._global_norms[p], self._momentum_norms[p]),
+                               opened=self._cycle_open[p], full=full)
     if not result.applied:
-      # Nothing is published: the version, the global and the momentum stay; the contributions are dropped.
+      # Nothing is published: the version, the global and the optimizer state stay; the contributions are
+      # dropped.
       self._refused_at[p] = self._versions[p]
       self.counters["rounds_refused"] += 1
       self.counters["contributions_dropped"] += len(cs)
@@ -828,12 +951,18 @@ class SyncerCore:
       self._changed()
       return False
     self._global_norms[p], self._momentum_norms[p] = result.global_norm, result.momentum_norm
-    self._versions[p] += 1
+    self._pending_shares[p], self._cycle_open[p] = pending_share, not full
+    first = self._versions[p] + 1
+    published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
-    self._downlink.commit(p, self._versions[p], self._globals[p])
+    self._versions[p] += published
+    seen = self._version_round[p]
+    for v in range(first, first + published):
+      seen[v] = self._rounds[p]
+    while len(seen) > _VERSIONS_REMEMBERED:
+      del seen[next(iter(seen))]  # the oldest: versions are inserted in increasing order
     took = self.clock() - started
-    first = self._t_sync[p] == 0.0
-    self._t_sync[p] = took if first else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
+    self._t_sync[p] = took if self._t_sync[p] == 0.0 else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
     tokens = int(sum(c.tokens for c in cs))
     self.counters["rounds"] += 1
     self.counters["contributions_merged"] += len(cs)
@@ -846,6 +975,10 @@ class SyncerCore:
     for c in cs:
       if c.learner_id in self._members:
         self._members[c.learner_id].steps_merged += c.steps
+    if len(self._decisions) == self._decisions.maxlen:
+      self.decisions_dropped += 1
+    self._decisions.append(decision_record(p, first, rnd, started, why, live, staleness, coefficients, period,
+                                           answered, took, share))
     self._changed(versions=True)  # durable before a learner can see the new version
     return True
 
@@ -854,12 +987,20 @@ class SyncerCore:
     rather than dropped); returns the fragments committed (a round refused as non-finite is not)."""
     with self._lock:
       due = [p for p, rnd in enumerate(self._open) if rnd is not None]
-      committed = [p for p in due if self._close_locked(p)]
+      committed = [p for p in due if self._close_locked(p, "stop")]
       self.counters["rounds_closed_at_stop"] += len(committed)
       if due:
         self._changed()
         self._cond.notify_all()
       return committed
+
+  def drain_decisions(self) -> list[dict]:
+    """The decision records of the rounds closed since the last call (oldest first), removed from the
+    core's bounded queue (at most the latest 10,000 are kept; `decisions_dropped` counts the others)."""
+    with self._lock:
+      out = list(self._decisions)
+      self._decisions.clear()
+      return out
 
   def global_fragments(self) -> list[np.ndarray]:
     """Copies of the global fragments Theta (what the run trains)."""
@@ -903,9 +1044,10 @@ class SyncerCore:
     (ticking at round deadlines meanwhile); None on timeout.
 
     `have_version`, `have_epoch`: the version whose reference the caller holds (-1: none usable) and the
-    epoch of the syncer it got it from (`Published.epoch`; 0: unknown). If the version is the one just
-    before the current version and the epoch is this core's (or the version is 0, the same in every
-    epoch), the answer is the delta (kind "delta"), else the full fragment.
+    epoch of the syncer it got it from (`Published.epoch`; 0: unknown). If the epoch is this core's (or
+    the version is 0, the same in every epoch) and a version >= min_version was published as a delta from
+    that reference, the answer is the newest such delta (kind "delta"), else the full current fragment
+    (`syncer/downlink.py`).
     """
     if not 0 <= fragment < self.settings.num_fragments:
       raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {self.settings.num_fragments})")
@@ -919,7 +1061,7 @@ class SyncerCore:
         version = self._versions[fragment]
         # After a refused round, a wait for the version it was to make ends with the current one.
         if version >= min_version or (self._refused_at[fragment] == version and min_version == version + 1):
-          published = self._downlink.answer(fragment, have_version, have_epoch)
+          published = self._downlink.answer(fragment, min(min_version, version), have_version, have_epoch)
           self.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
           self.counters["bytes_out"] += len(published.payload)
           self._changed()
@@ -999,6 +1141,9 @@ class SyncerCore:
       return {
           "fragments": [g.copy() if held(p) else None for p, g in enumerate(self._globals)],
           "opt_states": [m.copy() if held(p) else None for p, m in enumerate(self._momenta)],
+          # Delayed Nesterov: an open cycle of partial rounds (folded into the momentum) and its share.
+          "cycle_open": list(self._cycle_open),
+          "pending_shares": list(self._pending_shares),
           "versions": list(self._versions),
           "rounds": list(self._rounds),
           "t_sync": list(self._t_sync),
@@ -1007,9 +1152,9 @@ class SyncerCore:
           "owned": None if self.settings.owned is None else list(self.settings.owned),
           "history": [[h.epoch, list(h.start_rounds), list(h.version_offsets)] for h in self._history],
           # Idempotency keys of settled contributions, whose effect this state holds: [learner,
-          # incarnation, sequence, checksum, fragment, round, late, epoch that accepted it].
+          # incarnation, sequence, checksum, fragment, round, late, epoch that accepted it, version].
           "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late,
-                         r.receipt.epoch]
+                         r.receipt.epoch, r.receipt.version]
                         for i, keys in sorted(self._keys.items()) for key, r in keys.items() if r.settled],
           **self._held_only(self._downlink.state_dict()),
       }
@@ -1046,11 +1191,17 @@ class SyncerCore:
     momenta = [outer.momentum_from_state(st, f.size) for f, st in zip(fragments, state["opt_states"])]
     global_norms = [chunked.norm(f, s.merge_threads) for f in fragments]
     momentum_norms = [chunked.norm(m, s.merge_threads) for m in momenta]
+    # Older checkpoints: no cycle of partial rounds open.
+    cycle_open = [bool(x) for x in state.get("cycle_open", [False] * s.num_fragments)]
+    pending_shares = [float(x) for x in state.get("pending_shares", [0.0] * s.num_fragments)]
+    if len(cycle_open) != s.num_fragments or len(pending_shares) != s.num_fragments:
+      raise ValueError(f"checkpoint cycle state has {len(cycle_open)} / {len(pending_shares)} entries for "
+                       f"{s.num_fragments} fragments")
     versions = [int(v) for v in state["versions"]]
     rounds = [int(r) for r in state["rounds"]]
     epoch = new_epoch()
     downlink = Downlink.restore(state, s.held_sizes, s.downlink_codec, s.block, fragments, versions, epoch,
-                                threads=s.merge_threads)
+                                threads=s.merge_threads, history=s.downlink_history)
     history = [EpochRecord(int(e), tuple(int(x) for x in starts), tuple(int(x) for x in offsets))
                for e, starts, offsets in state.get("history") or ()]
     history = history[-(MAX_HISTORY - 1):] + [
@@ -1058,10 +1209,12 @@ class SyncerCore:
     with self._lock:
       self._globals = fragments
       self._momenta = momenta
+      self._cycle_open, self._pending_shares = cycle_open, pending_shares
       self._versions = versions
       self._downlink = downlink
       self._history = history
       self._rounds = rounds
+      self._version_round = [{v: r} for v, r in zip(self._versions, self._rounds)]
       self._t_sync = [float(t) for t in state["t_sync"]]
       self.counters = _merge_counters(n, state["counters"])
       self._open = [None] * n
@@ -1072,7 +1225,7 @@ class SyncerCore:
       for row in state.get("push_keys", []):
         i, incarnation, sequence, checksum, fragment, rnd, late = row[:7]
         receipt = PushReceipt(fragment=int(fragment), round=int(rnd), late=bool(late),
-                              epoch=int(row[7]) if len(row) > 7 else 0)
+                              epoch=int(row[7]) if len(row) > 7 else 0, version=int(row[8]) if len(row) > 8 else -1)
         self._keys.setdefault(int(i), collections.OrderedDict())[(int(incarnation), int(sequence))] = (
             _KeyRecord(int(checksum), receipt, settled=True))
       self._cond.notify_all()

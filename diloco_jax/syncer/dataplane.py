@@ -187,7 +187,7 @@ class DataPlaneServer:
     self.servicer._count("push_bytes", total)
     self.servicer._count("data_pushes")
     response = pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
-                               epoch=receipt.epoch)
+                               epoch=receipt.epoch, version=receipt.version)
     conn.sendall(wire.reply(wire.OK, response.SerializeToString()))
 
   def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:

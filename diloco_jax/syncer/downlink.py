@@ -2,32 +2,45 @@
 
 With `downlink_codec` "fp32" every pull is answered with the global fragment Theta_v itself (kind "full").
 With a lossy downlink codec the syncer never quantizes the weights: it publishes the quantized *change* of
-what learners hold. It keeps, per fragment, the reference R_v: exactly (bitwise, float32) what a learner
+what learners hold. It keeps, per fragment, references R_v: exactly (bitwise, float32) what a learner
 holds after adopting version v, with R_0 = Theta_0 (learners build the initial fragment bitwise-identically
-from the seed). On each commit
+from the seed). Each version v is published as a delta from one earlier version u = parent(v):
 
-    payload_v = encode(Theta_v - R_{v-1}, downlink_codec),   R_v = R_{v-1} + decode(payload_v)
+    payload_v = encode(Theta_v - R_u, downlink_codec),   R_v = R_u + decode(payload_v)
 
 (one float32 add, which the learner repeats on its device with the same IEEE rounding; the syncer does
-both steps in place in one chunked pass, `codec.encode_residual`). The
-quantization residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most
-one quantization error of one delta instead of drifting. A pull that says it holds R_{v-1}
-(`have_version == v - 1`) gets the delta (kind "delta", `base_version` v - 1); any other gets R_v in fp32
-(kind "full": joins, restarts, learners that fell more than one version behind). Only the latest delta is
-kept, so the syncer holds about Theta, momentum, R and a cached full payload per fragment.
+both steps in one chunked pass, `codec.encode_residual`, into a reused buffer). The
+quantization residual Theta_v - R_v is part of the next delta from R_v (error feedback), so R trails Theta
+by at most one quantization error of one delta instead of drifting.
+
+The parent. With every learner in every round (K = M) each learner holds R_{v-1} when it waits for v, and
+parent(v) = v - 1. With a smaller quorum the global moves several times between two syncs of one
+learner, and a learner waits for the version that merges its own push while holding the version it last
+adopted, several behind. So a round is published as a delta from the version its contributors hold (the
+base version of its pushes, the one most of them hold if they differ), provided its reference is still
+kept. Each contributor holding it gets one delta per sync, as under K = M, not the full fragment or a
+chain; one holding another version gets the full fragment. A round publishes exactly one version (the
+recovery protocol names versions as a lifetime's rounds plus an offset). The syncer keeps the references of its last
+`history` versions (memory: `history` + 1 fragments per fragment, one of them a spare reused by the next
+commit; with 1, only the latest is kept, updated in place, and every round is one delta from it).
+
+A pull that holds R_u (`have_version == u`) gets the newest version >= its `min_version` that was published
+as a delta from u (kind "delta", `base_version` u); any other gets the latest R_v in fp32 (kind "full":
+joins, restarts, learners that fell further behind than the references kept).
 
 Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
 older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
 still hold from before the crash. So the core draws a random nonzero 63-bit epoch when it is created and
 again on every restore (never checkpointed), stamps it on every `Published`, and a puller names the epoch of
-its reference too (`have_epoch`): the delta is served only to `have_version == v - 1` with
-`have_epoch == epoch`. The one exception is `have_version == 0`: R_0 is the seed's initial fragment in
-every epoch of a run (a checkpoint at version 0 holds it unchanged), so fresh learners, which hold R_0
-before they ever heard of an epoch, still get their first delta.
+its reference too (`have_epoch`): a delta is served only to `have_epoch == epoch`. The one exception is
+`have_version == 0`: R_0 is the seed's initial fragment in every epoch of a run (a checkpoint at version 0
+holds it unchanged), so fresh learners, which hold R_0 before they ever heard of an epoch, still get their
+first delta.
 """
 
 from __future__ import annotations
 
+import collections
 import secrets
 from typing import Sequence
 
@@ -45,93 +58,134 @@ def new_epoch() -> int:
 
 
 class Downlink:
-  """The references R, the latest delta and the cached full answer of every fragment. Not thread-safe:
-  the core calls it under its lock."""
+  """The references R of the last `history` versions, their deltas and the cached full answer of every
+  fragment. Not thread-safe: the core calls it under its lock."""
 
   def __init__(self, sizes: Sequence[int], codec: str, block: int, initial: Sequence[np.ndarray], epoch: int,
-               threads: int = 1):
+               threads: int = 1, history: int = 1):
+    if history < 1:
+      raise ValueError(f"outer.downlink_history must be >= 1, got {history}")
     self.sizes, self.codec, self.block = tuple(sizes), codec, block
     self.is_delta = codec != "fp32"
     self.epoch = epoch
     self.threads = threads
+    self.history = history
     # With fp32 the reference is the core's global array itself (shared: the core updates it in place,
-    # under its lock, and commits before anyone reads it); with a delta codec it is this class's own copy,
-    # updated in place by `commit`.
-    self._refs = [np.array(f, np.float32).reshape(-1) if self.is_delta else np.asarray(f, np.float32).reshape(-1)
-                  for f in initial]
+    # under its lock, and commits before anyone reads it); with a delta codec they are this class's own
+    # arrays, one per version kept.
+    self._refs: list[dict[int, np.ndarray]] = [
+        {0: np.array(f, np.float32).reshape(-1) if self.is_delta else np.asarray(f, np.float32).reshape(-1)}
+        for f in initial]
+    self._spare: list[np.ndarray | None] = [None] * len(self.sizes)  # an evicted reference, reused
     self._versions = [0] * len(self.sizes)
-    self._deltas: list[Published | None] = [None] * len(self.sizes)  # the latest version's delta
+    self._deltas: list[dict[int, Published]] = [{} for _ in self.sizes]  # version -> delta from its parent
     self._full: list[Published | None] = [None] * len(self.sizes)  # built lazily: joins and laggards
     self._answers = BufferPool(ANSWER_POOL_BYTES)
 
-  def commit(self, p: int, version: int, theta: np.ndarray) -> None:
-    """Publish fragment p's new global `theta` at `version`."""
-    self._versions[p] = version
-    self._full[p] = None
-    if not self.is_delta:
-      self._refs[p] = theta
-      return
-    payload = codec_lib.encode_residual(theta, self._refs[p], self.codec, self.block, threads=self.threads)
-    self._deltas[p] = Published(fragment=p, version=version, codec=self.codec, payload=payload,
-                                checksum=codec_lib.checksum(payload), kind="delta", base_version=version - 1,
-                                epoch=self.epoch)
+  def parents(self, p: int, held: Sequence[int] = ()) -> list[int]:
+    """The version a round's publication starts from: the one of `held` (its pushes' base versions) whose
+    reference is kept that most of them hold (ties: the newest); else the latest. One per round: a
+    syncer's versions are its rounds plus an offset fixed per lifetime (`protocol.EpochRecord`)."""
+    counts = collections.Counter(v for v in held if v in self._refs[p])
+    return sorted(counts, key=lambda v: (counts[v], v))[-1:] or [self._versions[p]]
 
-  def answer(self, p: int, have_version: int, have_epoch: int) -> Published:
-    """The delta if the puller holds this epoch's R_{v-1} and we have that delta, else the full R_v."""
-    delta = self._deltas[p]
+  def commit(self, p: int, version: int, theta: np.ndarray, held: Sequence[int] = ()) -> int:
+    """Publish fragment p's new global `theta` from `version` on; `held`: the base versions of the round's
+    pushes (what its contributors hold while they wait for it). Returns how many versions that took: one
+    (`parents` picks one base)."""
+    self._full[p] = None
+    refs = self._refs[p]
+    if not self.is_delta:
+      refs.clear()
+      refs[version] = theta
+      self._versions[p] = version
+      return 1
+    parents = self.parents(p, held)
+    for i, parent in enumerate(parents):
+      if self.history == 1:
+        ref = refs.pop(parent)  # the only reference kept: updated in place (its version is gone)
+        self._deltas[p].pop(parent, None)
+      else:
+        ref = self._spare[p] if self._spare[p] is not None else np.empty(self.sizes[p], np.float32)
+        self._spare[p] = None
+        np.copyto(ref, refs[parent])
+      payload = codec_lib.encode_residual(theta, ref, self.codec, self.block, threads=self.threads)
+      refs[version + i] = ref
+      self._deltas[p][version + i] = Published(
+          fragment=p, version=version + i, codec=self.codec, payload=payload,
+          checksum=codec_lib.checksum(payload), kind="delta", base_version=parent, epoch=self.epoch)
+    self._versions[p] = version + len(parents) - 1
+    while len(refs) > self.history:
+      oldest = min(refs)
+      self._spare[p] = refs.pop(oldest)
+      self._deltas[p].pop(oldest, None)
+    return len(parents)
+
+  def answer(self, p: int, min_version: int, have_version: int, have_epoch: int) -> Published:
+    """The newest delta to a version >= `min_version` from the reference the puller holds, if one was
+    published, else the full latest R (see the module docstring)."""
     # R_0 is the same in every epoch; any later reference only matches ours if it came from this epoch.
-    same_reference = have_epoch == self.epoch or have_version == 0
-    if (delta is not None and delta.version == self._versions[p] and have_version >= 0
-        and have_version == delta.base_version and same_reference):
-      return delta
+    if self.is_delta and have_version >= 0 and (have_epoch == self.epoch or have_version == 0):
+      for version in sorted(self._deltas[p], reverse=True):
+        if version < min_version:
+          break
+        delta = self._deltas[p][version]
+        if delta.base_version == have_version:
+          return delta
     if self._full[p] is None:
-      # R_v's bytes, in a buffer no earlier answer still being sent holds (reused, see BufferPool).
+      # R's bytes, in a buffer no earlier answer still being sent holds (reused, see BufferPool).
       payload = self._answers.take(4 * self.sizes[p]) or bytearray(4 * self.sizes[p])
-      np.copyto(np.frombuffer(payload, "<f4"), self._refs[p])
+      np.copyto(np.frombuffer(payload, "<f4"), self._refs[p][self._versions[p]])
       self._answers.adopt(payload)
       self._full[p] = Published(fragment=p, version=self._versions[p], codec="fp32", payload=payload,
                                 checksum=codec_lib.checksum(payload), epoch=self.epoch)
     return self._full[p]
 
   def reference(self, p: int) -> np.ndarray:
-    """A copy of R_v: exactly what a learner that adopted the current version holds."""
-    return self._refs[p].copy()
+    """A copy of the latest R: exactly what a learner that adopted the current version holds."""
+    return self._refs[p][self._versions[p]].copy()
 
   # ---- checkpoints ----
 
   def state_dict(self) -> dict:
-    """References (with a delta codec; with fp32 R is Theta, not stored twice) and the latest deltas."""
+    """The latest references (with a delta codec; with fp32 R is Theta, not stored twice) and their deltas.
+    Older references are not kept: after a restore, learners are in another epoch anyway."""
+    latest = [self._deltas[p].get(v) for p, v in enumerate(self._versions)]
     return {
         "downlink_codec": self.codec,
-        "references": [r.copy() for r in self._refs] if self.is_delta else None,
+        "references": [self.reference(p) for p in range(len(self.sizes))] if self.is_delta else None,
         "deltas": [None if d is None else {"version": d.version, "base_version": d.base_version,
                                            "payload": np.frombuffer(d.payload, np.uint8).copy()}
-                   for d in self._deltas],
+                   for d in latest],
     }
 
   @classmethod
   def renumbered(cls, old: "Downlink", versions: Sequence[int]) -> "Downlink":
     """`old`'s references, epoch and codec, published under new `versions` (a restored syncer raised to
     the versions its previous lifetime published). Its deltas are dropped: they name the old numbers."""
-    out = cls(old.sizes, old.codec, old.block, old._refs, old.epoch, old.threads)
-    out._refs = old._refs  # the same arrays (`old` is dropped): no second copy of the references
+    out = cls.__new__(cls)
+    out.__dict__.update(old.__dict__)  # the same arrays (`old` is dropped): no second copy of the references
+    n = len(old.sizes)
+    out._refs = [{int(v): old._refs[p][old._versions[p]]} for p, v in enumerate(versions)]
     out._versions = [int(v) for v in versions]
+    out._deltas, out._full, out._spare = [{} for _ in range(n)], [None] * n, [None] * n
     return out
 
   @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],
-              versions: list[int], epoch: int, threads: int = 1) -> "Downlink":
+              versions: list[int], epoch: int, threads: int = 1, history: int = 1) -> "Downlink":
     """The downlink of a checkpoint, under a new `epoch`. A checkpoint without references (an fp32 downlink
     run) gives R = Theta, which is what its learners were served; deltas of another codec are dropped."""
-    out = cls(sizes, codec, block, fragments, epoch, threads)
+    out = cls(sizes, codec, block, fragments, epoch, threads, history)
     out._versions = list(versions)
+    out._refs = [{v: refs[0]} for v, refs in zip(versions, out._refs)]  # R = Theta at the restored versions
     saved = state["references"]
     if not out.is_delta or saved is None:
       return out
     refs = [np.array(r, np.float32).reshape(-1) for r in saved]
     if [r.size for r in refs] != list(sizes):
       raise ValueError(f"checkpoint reference sizes {[r.size for r in refs]} != {list(sizes)}")
-    out._refs = refs
+    out._refs = [{v: r} for v, r in zip(versions, refs)]
     if state["downlink_codec"] != codec:
       return out
     for p, d in enumerate(state["deltas"]):
@@ -140,7 +194,7 @@ class Downlink:
       payload = np.asarray(d["payload"], np.uint8).tobytes()
       if len(payload) != codec_lib.encoded_size(sizes[p], codec, block):
         continue
-      out._deltas[p] = Published(fragment=p, version=versions[p], codec=codec, payload=payload,
-                                 checksum=codec_lib.checksum(payload), kind="delta",
-                                 base_version=int(d["base_version"]), epoch=epoch)
+      out._deltas[p][versions[p]] = Published(fragment=p, version=versions[p], codec=codec, payload=payload,
+                                              checksum=codec_lib.checksum(payload), kind="delta",
+                                              base_version=int(d["base_version"]), epoch=epoch)
     return out

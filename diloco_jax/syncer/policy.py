@@ -11,9 +11,12 @@ contribution), the merged fragment must be out before the first contributor need
     slack    = budget - t_quorum - t_sync       # t_quorum: open -> K-th contribution; t_sync: merge + send
     grace    = clip(gamma * slack, min_grace_s, max_grace_s)
 
-gamma < 1 keeps a safety margin. With min_grace_s = max_grace_s = 0 the syncer closes at quorum (K=1 and no
-grace is the "no grace window" ablation of the paper). A round also closes early as soon as every live
-learner has contributed: there is nobody left to wait for.
+gamma < 1 keeps a safety margin. Per learner: with contributors of different speeds, each contributor c
+(arrived a_c after the opening, robust step time step_c) needs the result at a_c + tau * step_c, so the
+budget is the earliest of these, `min_c (a_c + tau * step_c)` over the contributors in at the quorum (for
+the opener, a_c = 0: the formula above). With min_grace_s = max_grace_s = 0 the syncer closes at quorum
+(K=1 and no grace is the "no grace window" ablation of the paper). A round also closes early as soon as
+every live learner has contributed: there is nobody left to wait for.
 """
 
 from __future__ import annotations
@@ -54,8 +57,24 @@ def estimate_step_time(reported_step_times: Sequence[float]) -> float:
 
 
 def grace_window_s(policy: QuorumPolicy, step_time_s: float, t_quorum_s: float, t_sync_s: float) -> float:
-  """Seconds to keep a round open after its quorum was reached."""
+  """Seconds to keep a round open after its quorum was reached: the paper's Eq. 3 with one step time."""
   slack = policy.tau * step_time_s - t_quorum_s - t_sync_s
+  return min(max(policy.gamma * slack, policy.min_grace_s), policy.max_grace_s)
+
+
+def adoption_budget_s(tau: int, offsets_s: Sequence[float], step_times_s: Sequence[float]) -> float:
+  """Seconds from a round's opening until its first contributor adopts the result: `min_c (a_c + tau *
+  step_c)` over contributors arrived `offsets_s` after the opening with step times `step_times_s`."""
+  if not offsets_s or len(offsets_s) != len(step_times_s):
+    raise ValueError(f"need one step time per contributor, got {len(offsets_s)} and {len(step_times_s)}")
+  return min(a + tau * t for a, t in zip(offsets_s, step_times_s))
+
+
+def round_grace_s(policy: QuorumPolicy, offsets_s: Sequence[float], step_times_s: Sequence[float],
+                  t_quorum_s: float, t_sync_s: float) -> float:
+  """The grace window of a round whose quorum was reached `t_quorum_s` after its opening, per learner:
+  Eq. 3 with tau * step_time replaced by `adoption_budget_s` of the contributors in at the quorum."""
+  slack = adoption_budget_s(policy.tau, offsets_s, step_times_s) - t_quorum_s - t_sync_s
   return min(max(policy.gamma * slack, policy.min_grace_s), policy.max_grace_s)
 
 
@@ -69,22 +88,29 @@ def round_close_time(
     policy: QuorumPolicy,
     arrivals: Sequence[float],
     live_learners: int,
-    step_time_s: float,
+    step_time_s: float | Sequence[float],
     t_sync_s: float,
 ) -> float | None:
   """When a round closes, given the times its contributions arrived (seconds, any origin; the round opens
-  at the first arrival). None if the quorum is not reached by these arrivals.
+  at the first arrival), one per distinct learner. None if the quorum is not reached by these arrivals.
+  `step_time_s`: the contributors' step times, one per arrival (in the same order), or one for all.
 
   This is the whole policy in one function; the syncer core evaluates the same rule incrementally.
   """
   if not arrivals:
     return None
-  ordered = sorted(arrivals)
+  steps = [step_time_s] * len(arrivals) if isinstance(step_time_s, (int, float)) else list(step_time_s)
+  if len(steps) != len(arrivals):
+    raise ValueError(f"need one step time per arrival, got {len(steps)} for {len(arrivals)} arrivals")
+  order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+  ordered = [arrivals[i] for i in order]
   k = effective_quorum(policy, live_learners)
   if len(ordered) < k:
     return None
   opened, quorum_at = ordered[0], ordered[k - 1]
-  deadline = quorum_at + grace_window_s(policy, step_time_s, quorum_at - opened, t_sync_s)
+  grace = round_grace_s(policy, [a - opened for a in ordered[:k]], [steps[i] for i in order[:k]],
+                        quorum_at - opened, t_sync_s)
+  deadline = quorum_at + grace
   if len(ordered) >= live_learners:
     # Everyone alive is in: no need to wait out the grace window.
     return min(deadline, ordered[live_learners - 1])

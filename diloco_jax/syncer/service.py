@@ -352,7 +352,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     self._count("pushes")
     self._count("push_bytes", total)
     return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
-                           epoch=receipt.epoch)
+                           epoch=receipt.epoch, version=receipt.version)
 
   @_rpc(None)
   def Pull(self, request, context):

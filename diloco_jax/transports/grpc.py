@@ -386,7 +386,7 @@ class GrpcTransport:
                                  metadata=self._metadata)
       response = self._in(response, True)
       return PushReceipt(fragment=response.fragment, round=response.round, late=response.late,
-                         epoch=int(response.epoch))
+                         epoch=int(response.epoch), version=response.version)
 
     return self._call("push", attempt)
 
@@ -467,7 +467,8 @@ class GrpcTransport:
       if op == wire.OP_PUSH:
         wire.send_payload(sock, payload, lambda n: self._data_count_out(n, first=False))
         r = pb.PushResponse.FromString(self._data_reply(sock, name))
-        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, epoch=int(r.epoch))
+        return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, epoch=int(r.epoch),
+                           version=r.version)
       sock.settimeout(self.call_timeout_s + wait_s)  # the reply waits for the long-poll
       h = pb.PullHeader.FromString(self._data_reply(sock, name))
       sock.settimeout(self.call_timeout_s)

@@ -1,0 +1,87 @@
+"""Emulated mixed hardware: a learner's inner steps stretched to a given speed, with step-time noise.
+
+Locally every learner runs on the same kind of (fake CPU) devices, so nothing makes one slower than
+another. `StepPacer` makes learner i behave like hardware of relative speed `learners.speeds[i]`: after
+each inner step has finished on the device, the learner sleeps until the step took
+
+    target = step_s / speed * g,       g ~ Gamma(mean 1, coefficient of variation step_cv)
+
+seconds of wall time, where `step_s` is `learners.step_s` or, when that is 0, the median of the learner's
+own last measured (unstretched) step times. A step whose computation already took longer than its target
+is not shortened (an "overrun", counted): with `step_s` set above the real step time, every learner runs
+at exactly its emulated speed whatever the load of the machine (the emulation `bench hetero` uses); with
+`step_s = 0` the stretch follows the real step time, and the fastest learners' noise is one-sided (a
+speed-1 step cannot be shortened).
+
+The sleep is part of the inner step: the learner reports it in its step time (which feeds the syncer's
+grace window) and counts it as compute, never as blocked time.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import numpy as np
+
+from diloco_jax import config as config_lib
+
+_MEDIAN_WINDOW = 32  # measured steps behind the step_s = 0 estimate
+
+
+class StepPacer:
+  """Stretches one learner's inner steps (see the module docstring). Not thread-safe: the inner loop
+  owns it. `active` is False (and `stretch` returns at once) without emulated speed or noise."""
+
+  def __init__(self, speed: float = 1.0, step_cv: float = 0.0, step_s: float = 0.0, seed: int = 0):
+    if not 0 < speed <= 100:
+      raise ValueError(f"learners.speeds: a speed must be in (0, 100], got {speed}")
+    if not 0 <= step_cv < 1:
+      raise ValueError(f"learners.step_cv must be in [0, 1), got {step_cv}")
+    if step_s < 0:
+      raise ValueError(f"learners.step_s must be >= 0, got {step_s}")
+    self.speed, self.step_cv, self.step_s = float(speed), float(step_cv), float(step_s)
+    self.active = speed != 1.0 or step_cv > 0 or step_s > 0
+    self._rng = np.random.default_rng(seed)
+    self._measured: collections.deque[float] = collections.deque(maxlen=_MEDIAN_WINDOW)
+    self.steps = 0
+    self.overruns = 0  # steps whose computation took longer than their target
+    self.slept_s = 0.0
+
+  @classmethod
+  def from_config(cls, config, learner_id: int) -> "StepPacer":
+    """Learner `learner_id`'s pacer from `config.learners` (speed, step_cv, step_s), seeded per learner."""
+    lc = config.learners
+    return cls(config_lib.learner_speed(config, learner_id), float(lc.step_cv), float(lc.step_s),
+               seed=(int(config.seed) * 1_000_003 + learner_id) % 2**32)
+
+  def noise(self) -> float:
+    """One draw of g: mean 1, coefficient of variation step_cv (exactly 1 without noise)."""
+    if self.step_cv == 0:
+      return 1.0
+    shape = 1.0 / self.step_cv**2
+    return float(self._rng.gamma(shape, 1.0 / shape))
+
+  def target_s(self, measured_s: float) -> float:
+    """The wall time this step should take, given that its computation took `measured_s`."""
+    self._measured.append(measured_s)
+    base = self.step_s or statistics.median(self._measured)
+    return base / self.speed * self.noise()
+
+  def stretch(self, measured_s: float) -> float:
+    """Sleep out the rest of this step's target; returns the seconds slept."""
+    if not self.active:
+      return 0.0
+    self.steps += 1
+    extra = self.target_s(measured_s) - measured_s
+    if extra <= 0:
+      self.overruns += 1
+      return 0.0
+    time.sleep(extra)
+    self.slept_s += extra
+    return extra
+
+  def stats(self) -> dict:
+    return {"speed": self.speed, "step_cv": self.step_cv, "step_s": self.step_s, "paced_steps": self.steps,
+            "overrun_steps": self.overruns, "stretch_s": self.slept_s}
