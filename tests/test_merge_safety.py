@@ -143,6 +143,28 @@ def test_work_of_several_periods_pushed_again_is_bounded_per_period():
   assert e.value.reason == "outlier"
 
 
+def test_a_stale_push_is_compared_with_the_norms_of_its_base_version():
+  # A learner stopped for a while pushes the period it took early in training, when outer gradients were
+  # larger than the ones the others push now: no outlier against the norms of its own time. The same norm
+  # on a recent base is one.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i in range(4):
+    push(c, i, unit * 1.0)  # version 1 published with the median 1.0 as its reference
+  for v in range(1, 6):
+    for i in range(4):
+      push(c, i, unit * 0.05, base_version=v)
+  assert c.status()["versions"] == [6]
+  before = frozen(c)
+  with pytest.raises(Rejected, match="median of its last") as e:
+    push(c, 0, unit * 5.0, base_version=6)  # 5 > 10 x median 0.05
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 3, unit * 5.0, base_version=1)  # 5 <= 10 x 1.0, the reference when version 1 was published
+  with pytest.raises(Rejected, match="its base version 1") as e:
+    push(c, 2, unit * 11.0, base_version=1)  # still bounded by that reference
+  assert e.value.reason == "outlier"
+
+
 def test_shrinking_early_pushes_and_flushes_are_never_outliers():
   # Norms as a run shows them (tiny_cpu, measured): short warm-up pushes, a first full period about 3x
   # larger, then shrinking, ending with half-period flushes.

@@ -94,7 +94,8 @@ Merge safety (nothing a single push claims or sends can dominate a merge or pois
   more than an honest learner's full period.
 * Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
   norm, times the periods its steps cover (`max(1, steps / sync_every)`: work pushed again after a
-  restart spans several periods), is refused ("outlier"): the reference is the median of the last `NORM_HISTORY` accepted norms of
+  restart spans several periods), is refused ("outlier"): the reference (for a push on an older base,
+  the larger of this and the reference when its base version was published) is the median of the last `NORM_HISTORY` accepted norms of
   that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
   accepted (a new run, a restart), the global fragment's own norm (an outer gradient is one period's
   change of the fragment; at least an RMS of `WARMUP_RMS` per element, for a fragment of zeros). Legitimate pushes shrink over training; the measured worst ratio to the
@@ -454,6 +455,9 @@ class SyncerCore:
     self._rounds = [0] * n  # index of each fragment's next round to close (= rounds the model holds)
     # Rounds closed when each recent version was published: staleness counts rounds.
     self._version_round: list[dict[int, int]] = [{0: 0} for _ in range(n)]
+    # The outlier reference when each recent version was published: a stale push (a learner stopped or
+    # slow since its base) is compared with the norms of its own time, not only with today's smaller ones.
+    self._version_reference: list[dict[int, float]] = [{} for _ in range(n)]
     self._open: list[_Round | None] = [None] * n
     self._t_sync = [0.0] * n
     self._members: dict[int, _Member] = {}
@@ -461,6 +465,7 @@ class SyncerCore:
     # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
     # lets a round prove its result finite before writing in place (`outer.apply_round`).
     self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
+    self._global_norms_at_start = list(self._global_norms)  # the seed's warm-up outlier reference
     self._momentum_norms = [0.0] * n
     self._refused_at = [-1] * n  # the version a refused round left in place
     self._keys: dict[int, collections.OrderedDict[tuple[int, int], _KeyRecord]] = {}
@@ -536,6 +541,7 @@ class SyncerCore:
       self._history[-1] = dataclasses.replace(self._history[-1], version_offsets=offsets)
       self._downlink = Downlink.renumbered(self._downlink, floor)
       self._version_round = [{v: r} for v, r in zip(floor, self._rounds)]
+      self._version_reference = [{} for _ in self._rounds]
     saved = _merge_counters(n, record.get("counters", {}))
     model = {k: copy.deepcopy(self.counters[k]) for k in MODEL_COUNTERS}
     events = {}
@@ -780,6 +786,12 @@ class SyncerCore:
       p = push.fragment
       if s.max_norm_ratio > 0:
         reference, what = self._norm_reference_locked(p)
+        # The seed (version 0) had the warm-up reference; a version no longer remembered, today's.
+        at_base = self._version_reference[p].get(push.base_version, 0.0)
+        if push.base_version == 0 and push.base_version in self._version_round[p]:
+          at_base = max(self._global_norms_at_start[p], WARMUP_RMS * math.sqrt(s.sizes[p]))
+        if at_base > reference:
+          reference, what = at_base, f"the reference when its base version {push.base_version} was published"
         # A push of n periods (work a learner pushes again after a syncer restart, or after it was cut
         # off) may be up to n periods' change; its steps are bounded by the claim check above.
         periods = max(1.0, push.steps / s.sync_every) if s.sync_every else 1.0
@@ -956,11 +968,15 @@ class SyncerCore:
     published = self._downlink.commit(p, first, self._globals[p], held=[c.base_version for c in cs])
     self._rounds[p] += 1
     self._versions[p] += published
-    seen = self._version_round[p]
+    seen, references = self._version_round[p], self._version_reference[p]
+    reference = self._norm_reference_locked(p)[0]
     for v in range(first, first + published):
       seen[v] = self._rounds[p]
+      references[v] = reference
     while len(seen) > _VERSIONS_REMEMBERED:
       del seen[next(iter(seen))]  # the oldest: versions are inserted in increasing order
+    while len(references) > _VERSIONS_REMEMBERED:
+      del references[next(iter(references))]
     took = self.clock() - started
     self._t_sync[p] = took if self._t_sync[p] == 0.0 else (1 - _T_SYNC_EMA) * self._t_sync[p] + _T_SYNC_EMA * took
     tokens = int(sum(c.tokens for c in cs))
@@ -1215,10 +1231,12 @@ class SyncerCore:
       self._history = history
       self._rounds = rounds
       self._version_round = [{v: r} for v, r in zip(self._versions, self._rounds)]
+      self._version_reference = [{} for _ in self._rounds]
       self._t_sync = [float(t) for t in state["t_sync"]]
       self.counters = _merge_counters(n, state["counters"])
       self._open = [None] * n
       self._global_norms, self._momentum_norms = global_norms, momentum_norms
+      self._global_norms_at_start = list(global_norms)
       self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
       self._refused_at = [-1] * n
       self._keys = {}
