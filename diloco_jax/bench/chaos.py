@@ -41,6 +41,7 @@ from absl import flags
 
 from diloco_jax import chaos
 from diloco_jax import cli
+from diloco_jax import fragments
 from diloco_jax import launch_local
 from diloco_jax.sim import goodput as sim_goodput
 
@@ -191,7 +192,9 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
                                       restart_s=learner_restart, rejoin_s=0.0, step_s=dl_step,
                                       inner_steps=o.sync_every, fragments=o.num_fragments, tau=o.tau,
                                       min_quorum=o.min_quorum or learners, max_grace_s=o.max_grace_s,
-                                      grace_gamma=o.grace_gamma, max_in_flight=o.max_in_flight,
+                                      grace_gamma=o.grace_gamma,
+                                      max_in_flight=fragments.in_flight_limit(o.max_in_flight, o.num_fragments,
+                                                                              o.sync_every, o.tau),
                                       t_sync_s=0.005, snapshot_s=0.0, **common),
   }
 
