@@ -65,6 +65,7 @@ from diloco_jax import placement
 from diloco_jax import protocol
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
 
@@ -129,23 +130,15 @@ class ShutdownWatchdog:
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer", None, "host:port of the syncer (a sharded syncer: one per shard, comma-separated, "
-                      "in shard order)", flag_values=fv, required=True)
+  client_flags.define(fv)  # --syncer, --token-file, --tls-*
   flags.DEFINE_integer("learner-id", None, "this learner's id, in [0, learners.num)", flag_values=fv,
                        required=True)
   flags.DEFINE_string("workdir", None, "this learner's directory (checkpoints, metrics, summary.json)",
                       flag_values=fv, required=True)
-  flags.DEFINE_string("token-file", None, "file holding the run token (else $DILOCO_TOKEN)", flag_values=fv)
   flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
   flags.DEFINE_integer("devices", None, "devices of this learner (default learners.device_counts[id], else "
                        "learners.devices)",
                        flag_values=fv)
-  flags.DEFINE_string("tls-ca", None, "PEM CA that signed the syncer's certificate (enables TLS)",
-                      flag_values=fv)
-  flags.DEFINE_string("tls-cert", None, "PEM client certificate (mutual TLS)", flag_values=fv)
-  flags.DEFINE_string("tls-key", None, "PEM private key of --tls-cert", flag_values=fv)
-  flags.DEFINE_string("tls-server-name", None, "name expected in the syncer's certificate, if not the "
-                      "--syncer host", flag_values=fv)
   flags.DEFINE_string("checkpoint-dir", None, "where checkpoints go, local or gs:// (default "
                       "WORKDIR/checkpoints)", flag_values=fv)
   multihost.define_flags(fv)
@@ -280,10 +273,7 @@ def main(argv) -> int:
   if not 0 <= learner_id < config.learners.num:
     raise cli.UsageError(f"--learner-id must be in [0, config.learners.num={config.learners.num}), "
                          f"got {learner_id}")
-  try:
-    targets = sharded.parse_targets(fv.syncer)
-  except ValueError as e:
-    raise cli.UsageError(str(e)) from None
+  targets = client_flags.targets(fv)
   if fv.devices:
     if config.learners.device_counts:
       counts = list(config.learners.device_counts)
@@ -302,14 +292,8 @@ def main(argv) -> int:
   cli.validated(config, sum(config_lib.learner_devices(config, i) for i in range(config.learners.num)),
                 learners=True)
   try:
-    token = protocol.read_token(fv["token-file"].value)
-  except (OSError, ValueError) as e:
-    raise cli.UsageError(str(e)) from None
-  tls = {"tls_ca": fv["tls-ca"].value, "tls_cert": fv["tls-cert"].value, "tls_key": fv["tls-key"].value,
-         "tls_server_name": fv["tls-server-name"].value}
-  try:
-    run(config, targets=targets, learner_id=learner_id, workdir=fv.workdir, token=token,
-        run_id=fv["run-id"].value, num_devices=k, tls=tls, checkpoint_dir=fv["checkpoint-dir"].value)
+    run(config, targets=targets, learner_id=learner_id, workdir=fv.workdir, token=client_flags.token(fv),
+        run_id=fv["run-id"].value, num_devices=k, tls=client_flags.tls(fv), checkpoint_dir=fv["checkpoint-dir"].value)
   except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)
     return EXIT_FAILED
