@@ -127,11 +127,11 @@ def check_fragment_plan(config) -> None:
   from diloco_jax import fragments
   from diloco_jax import model
 
-  o = config.outer
   try:
-    fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
+    fragments.plan_for_config(model.abstract_params(config.model), config)
   except ValueError as e:
     message = str(e)
-    field = next((f for f in ("outer.sync_every", "outer.fragment_plan") if message.startswith(f)),
+    field = next((f for f in ("outer.sync_every", "outer.fragment_plan", "outer.sync_schedule",
+                              "outer.schedule_power") if message.startswith(f)),
                  "outer.num_fragments")
     raise config_lib.ConfigError(f"config.{field}: {message}") from None

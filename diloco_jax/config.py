@@ -17,7 +17,7 @@ from ml_collections import config_dict
 
 from diloco_jax import mesh as mesh_lib
 from diloco_jax.codec import CODECS
-from diloco_jax.fragments import PLANS
+from diloco_jax.fragments import PLANS, SCHEDULES
 from diloco_jax.outer import MERGE_RULES
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -108,6 +108,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.outer = ml_collections.ConfigDict()
   c.outer.num_fragments = 2  # P
   c.outer.sync_every = 20  # H: inner steps between two syncs of the same fragment
+  # When fragments sync (fragments.py): "periodic" every H steps; "front_loaded" as many syncs over
+  # train.steps, dense early and sparse late: the periodic steps x moved to T (x / T) ** schedule_power.
+  c.outer.sync_schedule = "periodic"
+  c.outer.schedule_power = 2.0  # front_loaded only: 1 = periodic; 2 = gaps growing linearly to about 2H
   c.outer.tau = 2  # overlap: adopt the merged fragment >= tau steps after the snapshot
   c.outer.alpha = 0.0  # theta <- alpha * theta + (1 - alpha) * global (0 = overwrite)
   c.outer.keep_local_progress = True  # adoption keeps the inner steps taken since the snapshot
@@ -257,6 +261,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
       _fail("outer.merge", f"must be one of {MERGE_RULES}, got {o.merge!r}")
     if o.fragment_plan not in PLANS:
       _fail("outer.fragment_plan", f"must be one of {PLANS}, got {o.fragment_plan!r}")
+    if o.sync_schedule not in SCHEDULES:
+      _fail("outer.sync_schedule", f"must be one of {SCHEDULES}, got {o.sync_schedule!r}")
+    if not (math.isfinite(o.schedule_power) and o.schedule_power >= 1.0):
+      _fail("outer.schedule_power", f"must be a finite number >= 1 (1: periodic spacing), got {o.schedule_power}")
     if not 0.0 <= o.alpha < 1.0:
       _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
     if o.min_quorum < 0 or o.min_quorum > c.learners.num:
@@ -399,7 +407,8 @@ def heartbeat_interval_s(config) -> float:
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.
 _FINGERPRINT_FIELDS = ("model", "data.seq_len", "outer.num_fragments", "outer.sync_every", "outer.codec",
-                       "outer.codec_block", "outer.fragment_plan", "learners.num", "seed")
+                       "outer.codec_block", "outer.fragment_plan", "outer.sync_schedule", "outer.schedule_power",
+                       "learners.num", "seed")
 
 
 def fingerprint(c: ml_collections.ConfigDict, run_id: str = "") -> str:

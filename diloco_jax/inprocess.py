@@ -161,7 +161,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
     devices = [config_lib.learner_devices(config, i) for i in range(num)]
     print(f"train: {num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, {params:,} params, "
           f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
-          f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps, "
+          f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps"
+          + ("" if plan.sync_steps == () else f" on average ({config.outer.sync_schedule})") + ", "
           f"codec {config.outer.codec}, quorum K={config.outer.min_quorum or num}"
           + (", resumed" if job.resumed else ""))
   total = num * config.train.steps

@@ -215,3 +215,18 @@ def test_impossible_fragment_plans_are_config_errors_before_compiling(capsys):
     cli.validated(tiny, None, learners=True, data=False)
   assert e.value.code == 2
   assert "config.outer.num_fragments" in capsys.readouterr().err
+
+
+def test_validate_rejects_unknown_sync_schedule_and_bad_power(tiny_config):
+  tiny_config.outer.sync_schedule = "cosine"
+  _expect_error(tiny_config, "outer.sync_schedule", learners=True)
+  tiny_config.outer.sync_schedule = "front_loaded"
+  for power in (0.5, float("nan"), float("inf")):
+    tiny_config.outer.schedule_power = power
+    _expect_error(tiny_config, "outer.schedule_power", learners=True)
+  tiny_config.outer.schedule_power = 2.0
+  config_lib.validate(tiny_config, learners=True)
+  # The schedule is part of what every process of a run must agree on.
+  front = config_lib.fingerprint(tiny_config)
+  tiny_config.outer.sync_schedule = "periodic"
+  assert config_lib.fingerprint(tiny_config) != front

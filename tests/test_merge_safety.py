@@ -11,6 +11,7 @@ import pytest
 
 import helpers
 from diloco_jax import config as config_lib
+from diloco_jax import fragments
 from diloco_jax.protocol import Rejected
 from diloco_jax.syncer import core as core_lib
 
@@ -54,11 +55,16 @@ def small(n=64, scale=0.01, seed=0):
 def test_settings_from_config_bound_the_claims():
   c = config_lib.base_config()
   c.learners.num, c.data.global_batch, c.data.seq_len = 4, 16, 64
-  plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8})()
+  plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8, "longest_gap": c.outer.sync_every})()
   s = core_lib.SyncerSettings.from_config(c, plan, "fp")
   assert (s.num_learners, s.tokens_per_step, s.sync_every, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
                                                                                  c.train.steps)
   assert s.max_norm_ratio == c.outer.max_norm_ratio == 10.0
+  # A front-loaded schedule: a merge weight counts up to its longest gap, not H.
+  c.outer.sync_schedule, c.train.steps = "front_loaded", 160
+  plan = fragments.plan_for_config({"w": np.zeros(8, np.float32)}, c)
+  s = core_lib.SyncerSettings.from_config(c, plan, "fp")
+  assert s.sync_every == plan.longest_gap == 38 > c.outer.sync_every
 
 
 @pytest.mark.parametrize("steps,tokens,why", [
@@ -140,6 +146,24 @@ def test_work_of_several_periods_pushed_again_is_bounded_per_period():
   push(c, 0, unit * 40.0, base_version=1, steps=5 * H)  # 40 <= 10 x 5 periods x 1.05
   with pytest.raises(Rejected, match="5 period") as e:
     push(c, 1, unit * 60.0, base_version=1, steps=5 * H)  # 60 > 52.5: the bound still holds per period
+  assert e.value.reason == "outlier"
+
+
+def test_front_loaded_pushes_are_bounded_per_period_of_the_pushes_behind_the_reference():
+  # A front-loaded schedule's syncs cover 2 steps early and up to its longest gap late (here H = 10 is
+  # that longest gap): a push over many more steps than the ones behind the median may be as many times
+  # larger, no outlier; the same norm over as few steps as theirs is one.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i in range(4):
+    push(c, i, unit * 0.1, steps=2)  # early syncs: 2 steps each, norm 0.1
+  before = frozen(c)
+  with pytest.raises(Rejected, match="over 2 steps") as e:
+    push(c, 0, unit * 1.2, base_version=1, steps=2)  # 1.2 > 10 x 1 period x 0.1
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 1.2, base_version=1, steps=H)  # 1.2 <= 10 x 5 periods of 2 steps x 0.1
+  with pytest.raises(Rejected, match="5 period") as e:
+    push(c, 1, unit * 5.5, base_version=1, steps=H)  # 5.5 > 5: still bounded per period
   assert e.value.reason == "outlier"
 
 

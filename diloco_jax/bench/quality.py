@@ -66,10 +66,15 @@ def _curve(path: pathlib.Path) -> list[tuple[int, float]]:
 
 def _settings(config) -> dict:
   o, t, inner = config.outer, config.train, config.learners.inner
-  return {"H": o.sync_every, "P": o.num_fragments, "M": config.learners.num, "outer_lr": o.lr,
+  return {"H": o.sync_every, "schedule": _schedule(config), "P": o.num_fragments, "M": config.learners.num, "outer_lr": o.lr,
           "outer_momentum": o.momentum, "codec": o.codec, "downlink_codec": o.downlink_codec,
           "min_quorum": o.min_quorum, "tau": o.tau, "steps": t.steps, "lr": t.lr,
           "learners_inner": {k: v for k, v in inner.items() if v is not None}}
+
+
+def _schedule(config) -> str:
+  o = config.outer
+  return "periodic" if o.sync_schedule == "periodic" else f"{o.sync_schedule} (power {o.schedule_power:g})"
 
 
 def _print_pair(r: dict) -> None:
@@ -151,8 +156,8 @@ def main(argv) -> int:
   root = pathlib.Path(fv.workdir)
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "
-        f"codec {config.outer.codec}/{config.outer.downlink_codec}, H={config.outer.sync_every}, "
-        f"P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum or 'all'}), "
+        f"codec {config.outer.codec}/{config.outer.downlink_codec}, H={config.outer.sync_every} "
+        f"{_schedule(config)}, P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum or 'all'}), "
         f"{config.data.global_batch} sequences a step, at {', '.join(f'{b * base_steps}' for b in budgets)} steps",
         file=sys.stderr)
   results = {}

@@ -69,8 +69,7 @@ class GlobalEval:
     self.mesh = eval_mesh(config, devices)
     self.graphdef, self.abstract_params = model_lib.abstract_model(config.model, self.mesh)
     self.shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
-    o = config.outer
-    self.plan = fragments_lib.make_plan(self.abstract_params, o.num_fragments, o.sync_every, o.fragment_plan)
+    self.plan = fragments_lib.plan_for_config(self.abstract_params, config)
     self._eval_fn = inner.make_eval_step(self.graphdef, self.mesh, self.shardings)
     self._batches = None
 

@@ -6,7 +6,8 @@ Between two inner steps the loop (never waiting on the network):
      progress_p = theta_p - theta_p(snapshot) are the inner steps taken since the snapshot when
      `outer.keep_local_progress` (the default; without it those tau steps of work are overwritten, as in
      Streaming DiLoCo with alpha = 0). AdamW state is kept;
-  2. for each fragment due at this step (s mod H == offset(p)), computes the outer gradient
+  2. for each fragment due at this step (`fragments.due_fragments`: s mod H == offset(p) when periodic),
+     computes the outer gradient
      base_p - theta_p on the device into one flat vector, starts its copy to the host, and hands it to
      the comms worker, which encodes, pushes and fetches the merged result in the background.
 It waits only when `outer.max_in_flight` fragments are already in flight, or when a fragment falls due
@@ -180,10 +181,10 @@ class Learner:
         checkpoint_dir=checkpoint_dir, train_cfg=config_lib.learner_train(config))
     self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
-    self.plan = fragments_lib.make_plan(self.trainer.state.params, outer.num_fragments, outer.sync_every,
-                                        outer.fragment_plan)
-    self.max_in_flight = fragments_lib.in_flight_limit(outer.max_in_flight, outer.num_fragments, outer.sync_every,
-                                                       outer.tau)
+    self.plan = fragments_lib.plan_for_config(self.trainer.state.params, config)
+    self.max_in_flight = fragments_lib.in_flight_limit(
+        outer.max_in_flight, outer.num_fragments, fragments_lib.min_spacing(outer.sync_schedule, outer.sync_every,
+                                                                            outer.tau), outer.tau)
     mesh, sh = self.trainer.mesh, self.trainer.shardings
     self._fns = [_fragment_fns(self.plan, p, mesh, sh.params) for p in range(self.plan.num_fragments)]
     keys = fragments_lib.leaf_keys(self.trainer.state.params)

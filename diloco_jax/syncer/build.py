@@ -17,8 +17,7 @@ from diloco_jax.syncer.core import SyncerCore, SyncerSettings
 
 def fragment_plan(config, params: Any) -> fragments.FragmentPlan:
   """The run's fragment plan for `params` (arrays or abstract shapes) from `config.outer`."""
-  o = config.outer
-  return fragments.make_plan(params, o.num_fragments, o.sync_every, o.fragment_plan)
+  return fragments.plan_for_config(params, config)
 
 
 def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1) -> tuple[SyncerCore, str]:

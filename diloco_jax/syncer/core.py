@@ -89,11 +89,13 @@ Merge safety (nothing a single push claims or sends can dominate a merge or pois
 * Claims. A push's steps may not exceed `max_push_steps` (the run's `train.steps`: no learner runs more,
   whatever restarts or late rounds happened) and its tokens may not exceed steps x `tokens_per_step` (the
   largest learner's batch tokens of one inner step): "overclaim". The merge weight then counts at most one
-  schedule period: tokens and steps enter `outer.raw_weights` capped at `sync_every` steps (and their
+  schedule period: tokens and steps enter `outer.raw_weights` capped at `sync_every` steps (H, or a
+  non-periodic schedule's longest gap, `FragmentPlan.longest_gap`) (and their
   tokens), which every regular, flush, late or restarted learner's push stays within, so no claim weighs
   more than an honest learner's full period.
 * Outliers. A push whose outer-gradient norm exceeds `max_norm_ratio` times the fragment's reference
-  norm, times the periods its steps cover (`max(1, steps / sync_every)`: work pushed again after a
+  norm, times the periods its steps cover (`max(1, steps / period)`, the period `sync_every` or, once the
+  median is the reference, the median steps of the pushes behind it if fewer: work pushed again after a
   restart spans several periods), is refused ("outlier"): the reference (for a push on an older base,
   the larger of this and the reference when its base version was published) is the median of the last `NORM_HISTORY` accepted norms of
   that fragment (floored at `NORM_FLOOR` x the global fragment's norm), or, before `NORM_WARMUP` were
@@ -179,7 +181,8 @@ class SyncerSettings:
   num_learners: int = 1  # learner ids lie in [0, num_learners)
   # Merge safety (module docstring); 0 = no bound (only tests build a core without them).
   tokens_per_step: int = 0  # the largest learner's tokens per inner step (its share of global_batch x seq_len)
-  sync_every: int = 0  # H: a merge weight counts at most this many steps (and their tokens)
+  # H (periodic; else the schedule's longest gap): a merge weight counts at most this many steps (and their tokens)
+  sync_every: int = 0
   max_push_steps: int = 0  # train.steps: no push may claim more
   max_norm_ratio: float = 0.0  # outer.max_norm_ratio: the outlier bound k
   owned: tuple[int, ...] | None = None  # the fragments this core (one shard) serves; None: all of them
@@ -261,7 +264,7 @@ class SyncerSettings:
         # The largest learner's batch: learners with more devices take more tokens per step.
         tokens_per_step=int(max(config_lib.learner_batch(config, i) for i in range(config.learners.num))
                             * config.data.seq_len),
-        sync_every=int(o.sync_every),
+        sync_every=int(plan.longest_gap),
         max_push_steps=int(config.train.steps),
         max_norm_ratio=float(o.max_norm_ratio),
         owned=owned,
@@ -462,6 +465,7 @@ class SyncerCore:
     self._t_sync = [0.0] * n
     self._members: dict[int, _Member] = {}
     self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
+    self._norm_steps = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]  # the steps of each norm
     # L2 norms of each global fragment and momentum (`chunked.norm`): the outlier check's scale, and what
     # lets a round prove its result finite before writing in place (`outer.apply_round`).
     self._global_norms = [chunked.norm(g, settings.merge_threads) for g in self._globals]
@@ -743,6 +747,14 @@ class SyncerCore:
         tokens = min(tokens, s.sync_every * s.tokens_per_step)
     return steps, tokens
 
+  def _period_steps_locked(self, p: int) -> float:
+    """The steps of one period for the outlier bound: `sync_every`, or fewer when the median push behind
+    the reference covered fewer (a front-loaded schedule's early syncs are a few steps apart)."""
+    steps = self._norm_steps[p]
+    if len(steps) >= NORM_WARMUP:
+      return max(1.0, min(float(self.settings.sync_every), float(np.median(steps))))
+    return float(self.settings.sync_every)
+
   def _norm_reference_locked(self, p: int) -> tuple[float, str]:
     """The norm fragment p's outer gradients are compared with, and what it is."""
     history = self._norms[p]
@@ -794,7 +806,7 @@ class SyncerCore:
           reference, what = at_base, f"the reference when its base version {push.base_version} was published"
         # A push of n periods (work a learner pushes again after a syncer restart, or after it was cut
         # off) may be up to n periods' change; its steps are bounded by the claim check above.
-        periods = max(1.0, push.steps / s.sync_every) if s.sync_every else 1.0
+        periods = max(1.0, push.steps / self._period_steps_locked(p)) if s.sync_every else 1.0
         if not norm <= s.max_norm_ratio * periods * reference:
           raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} over {push.steps} "
                              f"steps exceeds outer.max_norm_ratio={s.max_norm_ratio:g} x {periods:g} "
@@ -812,6 +824,7 @@ class SyncerCore:
                                                        weight_tokens, key))
       if norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
         self._norms[p].append(norm)
+        self._norm_steps[p].append(push.steps)
       member = self._members[push.learner_id]
       member.progress_at, member.stall_counted = now, False  # it stepped to get here
       member.last_push = now
@@ -1238,6 +1251,7 @@ class SyncerCore:
       self._global_norms, self._momentum_norms = global_norms, momentum_norms
       self._global_norms_at_start = list(global_norms)
       self._norms = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
+      self._norm_steps = [collections.deque(maxlen=NORM_HISTORY) for _ in range(n)]
       self._refused_at = [-1] * n
       self._keys = {}
       for row in state.get("push_keys", []):
