@@ -80,3 +80,28 @@ def test_a_learner_that_crashes_leaves_and_the_others_finish(tiny_config, tmp_pa
     inprocess.run(c, str(tmp_path), quiet=True)
   records = [json.loads(line) for line in (tmp_path / "syncer" / "rounds.jsonl").read_text().splitlines()]
   assert records and records[-1]["contributors"] == [0]  # rounds went on without learner 1
+
+
+def test_a_front_loaded_learner_syncs_on_its_schedule_and_no_push_is_refused(tiny_config, monkeypatch):
+  # The shipped tiny_cpu outer loop (int4 both ways, P = 2, tau = 2, the outlier check on) with the
+  # front-loaded schedule: the learner snapshots each fragment exactly at the plan's steps, as many times
+  # as periodically, and the syncer accepts every push, short early ones and long late ones.
+  c = tiny_config
+  c.learners.num, c.learners.devices = 1, 2
+  c.outer.sync_schedule = "front_loaded"
+  job = inprocess.InProcessRun(c, None, devices=jax.devices()[:2])
+  learner, core = job.learners[0], job.core
+  snapshots = []
+  real_snapshot = learner._snapshot
+  monkeypatch.setattr(learner, "_snapshot", lambda p, step: (snapshots.append((p, step)), real_snapshot(p, step)))
+  learner.join()
+  for _ in range(c.train.steps):
+    learner.train_step()
+  scheduled = sorted((step, p) for p, steps in enumerate(learner.plan.sync_steps) for step in steps)
+  assert sorted((step, p) for p, step in snapshots) == scheduled
+  assert [len(s) for s in learner.plan.sync_steps] == [6, 6]  # 60 steps / H = 10, as periodic
+  assert learner.plan.sync_steps[0][0] == 2 and learner.plan.longest_gap > c.outer.sync_every
+  learner.flush()
+  job.close()
+  assert core.counters["contributions_rejected"] == 0
+  assert core.counters["contributions_accepted"] == len(snapshots)
