@@ -19,6 +19,7 @@ draws it. Exit status 1 if a check failed. See docs/operations.md, "Chaos".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import heapq
@@ -678,15 +679,21 @@ def summary_table(reports: Sequence[dict]) -> str:
 
 
 def run_job(config, config_argv, workdir: pathlib.Path, run_id: str, events: list[Event], *, say,
-            timeout_s: float, reference: dict | None, evaluate: bool = True) -> dict:
-  """Run the job under `events` in `workdir` and return its report (beside `reference`, if given)."""
+            timeout_s: float, reference: dict | None, evaluate: bool = True, eval_batches: int = 0) -> dict:
+  """Run the job under `events` in `workdir` and return its report (beside `reference`, if given). The
+  final global model is evaluated on `eval_batches` batches (0: the config's `data.eval_batches`)."""
   if workdir.exists():
     shutil.rmtree(workdir)
   workdir.mkdir(parents=True)
   raw = _Job(config, config_argv, workdir, run_id, events, say, timeout_s).run()
   (workdir / "raw.json").write_text(json.dumps(raw, default=str) + "\n")  # to analyze again
-  eval_loss = launch_local.evaluate_global(config, workdir / "syncer", run_id) if evaluate and raw["finished"] else None
+  eval_batches = eval_batches or config.data.eval_batches
+  eval_config = copy.deepcopy(config)
+  eval_config.data.eval_batches = eval_batches
+  eval_loss = (launch_local.evaluate_global(eval_config, workdir / "syncer", run_id)
+               if evaluate and raw["finished"] else None)
   report = analyze(config, workdir, raw, reference, eval_loss)
+  report["eval_batches"] = eval_batches
   report["schedule"] = [dataclasses.asdict(e) for e in events]
   return report
 
@@ -703,14 +710,19 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       "learners) instead of measuring it", flag_values=fv)
   flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
   flags.DEFINE_string("run-id", "chaos", "run id", flag_values=fv)
+  flags.DEFINE_integer("eval-batches", 0, "batches the final global model of both runs is evaluated on (0: "
+                       "the config's data.eval_batches; the few a config evaluates on during training are "
+                       "too noisy to compare two runs' final losses)", flag_values=fv)
   flags.DEFINE_list("summarize", None, "instead of running: print a markdown table of these report.json "
                     "files (e.g. runs/sweep/seed*/report.json)", flag_values=fv)
 
 
 def main(argv) -> int:
   """`python -m diloco_jax chaos --config C --learners N --seed S [--schedule FILE]`; see the docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
-  if fv.summarize:
+  # --summarize only reads reports: it needs no --config.
+  summarize = any(a == "--summarize" or a.startswith("--summarize=") for a in argv[1:])
+  fv = cli.parse(argv, _define_flags, doc=__doc__, config=not summarize)
+  if summarize:
     paths = sorted({p for pattern in fv.summarize for p in glob.glob(pattern)})
     reports = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     print(summary_table(sorted(reports, key=lambda r: r.get("seed", 0))))
@@ -734,13 +746,20 @@ def main(argv) -> int:
   say = lambda line: print(line, file=sys.stderr, flush=True)
   run_id = fv["run-id"].value
   timeout_s = fv["timeout-s"].value
+  eval_batches = fv["eval-batches"].value or config.data.eval_batches
+  if eval_batches < 1:
+    raise cli.UsageError(f"--eval-batches must be >= 0, got {fv['eval-batches'].value}")
   if fv.reference:
     reference = json.loads(pathlib.Path(fv.reference).read_text())["reference_run"]
+    if reference.get("eval_batches", config.data.eval_batches) != eval_batches:
+      raise cli.UsageError(f"--reference {fv.reference} evaluated its final model on "
+                           f"{reference.get('eval_batches')} batches, this run on {eval_batches}: "
+                           "pass the same --eval-batches")
     say(f"chaos: undisturbed run from {fv.reference}: {reference['wall_s']:.0f} s")
   else:
     say(f"chaos: undisturbed run of {config.train.steps} steps x {learners} learners (the reference)")
     reference = run_job(config, config_argv, workdir / "reference", run_id, [], say=say, timeout_s=timeout_s,
-                        reference=None)
+                        reference=None, eval_batches=eval_batches)
     if not reference["finished"]:
       say(f"chaos: the undisturbed run did not finish: {reference['failure']}")
       return 1
@@ -748,7 +767,7 @@ def main(argv) -> int:
             else standard_schedule(fv.seed, learners, reference["train_s"]))
   say("chaos: schedule\n" + "\n".join(f"  {e.at_s:7.1f}s  {e.describe()}" for e in events))
   report = run_job(config, config_argv, workdir / "chaos", run_id, events, say=say, timeout_s=timeout_s,
-                   reference=reference)
+                   reference=reference, eval_batches=eval_batches)
   report["seed"] = fv.seed
   report["checks"] = verdict(config, report)
   report["reference_run"] = {k: v for k, v in reference.items() if k not in ("events", "timeline")}

@@ -112,7 +112,7 @@ def test_chaos_command_runs_a_schedule_of_every_fault(tmp_path):
   workdir = tmp_path / "chaos"
   argv = [sys.executable, "-m", "diloco_jax", "chaos", *helpers.shipped_overrides(steps=1500, learners=3),
           "--learners", "3", "--schedule", str(schedule), "--workdir", str(workdir),
-          "--config.train.min_step_s=0.05"]
+          "--config.train.min_step_s=0.05", "--eval-batches", "3"]
   proc = subprocess.run(argv, cwd=helpers.REPO, env=launch_local.child_env(1), capture_output=True, text=True,
                         timeout=1800)
   report = json.loads((workdir / "report.json").read_text())
@@ -121,3 +121,10 @@ def test_chaos_command_runs_a_schedule_of_every_fault(tmp_path):
   assert report["contributions"]["lost"] == 0 and report["checks"]["restarts_back_within_30s"]
   assert (workdir / "timeline.png").stat().st_size > 10_000
   assert "goodput" in proc.stdout and proc.returncode in (0, 1)
+  # Both final models evaluated on --eval-batches, not the config's few.
+  assert report["eval_batches"] == report["reference_run"]["eval_batches"] == 3
+  # --summarize only reads reports: no --config needed.
+  table = subprocess.run([sys.executable, "-m", "diloco_jax", "chaos", "--summarize", str(workdir / "report.json")],
+                         cwd=helpers.REPO, capture_output=True, text=True, timeout=120)
+  rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]  # the header and one report
+  assert table.returncode == 0 and len(rows) == 2 and rows[1].startswith("| 0 | yes"), table.stderr[-2000:]

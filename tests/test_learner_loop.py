@@ -2,10 +2,13 @@
 when fragments are snapshotted and adopted, what adoption does to the parameters, and when the inner
 loop has to wait."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
 
+from diloco_jax import config as config_lib
 from diloco_jax import inprocess
 from diloco_jax import trainer as trainer_lib
 
@@ -107,3 +110,42 @@ def test_split_fragments_one_due_every_step_keep_the_outer_loop_invisible(tiny_c
   assert learner.stats.syncs >= 13 and learner.stats.adopted == learner.stats.syncs
   assert _params_close(learner.trainer.state.params, plain.state.params)
   assert job.core.status()["versions"] == [learner.base_version[p] for p in range(6)]
+
+
+def test_a_learner_back_from_an_absence_catches_up_on_every_fragment(tiny_config):
+  """Shipped quorum and stall bound (tiny_cpu), two learners: learner 0 is away for longer than the
+  stall bound and a full period H of its steps while learner 1 keeps training and merging. At its next
+  step boundary learner 0 syncs every fragment and adopts them all at once: it resumes on the current
+  global model, not on a mix of fresh and stale fragments. A learner that steps steadily never does."""
+  c = tiny_config
+  c.learners.num, c.learners.devices = 2, 2
+  job = inprocess.InProcessRun(c, None)
+  away, steady = job.learners
+  try:
+    away.join()
+    steady.join()
+    for _ in range(3 * c.outer.sync_every):  # past the compilations (a pause there is an absence too)
+      away.train_step()
+      steady.train_step()
+    before = away.stats.catch_ups, steady.stats.catch_ups
+    for _ in range(2 * c.outer.sync_every):
+      away.train_step()
+      steady.train_step()
+    assert (away.stats.catch_ups, steady.stats.catch_ups) == before  # steady stepping: no catch-up
+    syncs = away.stats.syncs
+    versions_before = list(away.base_version)
+    start = time.monotonic()
+    bound = config_lib.stall_bound_s(c) + 0.1
+    while time.monotonic() - start < bound or steady.trainer.step < away.trainer.step + 3 * c.outer.sync_every:
+      steady.train_step()
+    current = job.core.status()["versions"]
+    assert all(v > b for v, b in zip(current, versions_before))  # the global moved on without learner 0
+    away.train_step()
+    assert away.stats.catch_ups == before[0] + 1
+    assert not away.in_flight and away.stats.syncs > syncs
+    # Every fragment is the global one, at least as new as before the absence ended.
+    assert all(b >= v for b, v in zip(away.base_version, current)), (away.base_version, current, away.comms.rejected)
+  finally:
+    away.flush()
+    steady.flush()
+    job.close()

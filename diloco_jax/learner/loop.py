@@ -11,7 +11,16 @@ Between two inner steps the loop (never waiting on the network):
      base_p - theta_p on the device into one flat vector, starts its copy to the host, and hands it to
      the comms worker, which encodes, pushes and fetches the merged result in the background.
 It waits only when `outer.max_in_flight` fragments are already in flight, or when a fragment falls due
-again before its previous sync came back; that wait is counted as blocked time. With tau = 0 the learner
+again before its previous sync came back; that wait is counted as blocked time.
+
+Catching up. A learner that was away (stopped, swapped out, stuck in a long eval) for longer than the
+syncer's stall rule allows and than one full period H of its own steps finds the global model moved on
+without it: every fragment it did not sync meanwhile is many rounds behind the ones it adopts as their
+syncs come back. Training on such a mix of fresh and stale fragments (until each falls due) makes outer
+gradients that mostly fit the fresh fragments to the stale ones: large, wrong, and refused as outliers.
+So at the step boundary after such an absence it syncs every fragment it holds work for at once (the
+work it did before the absence goes out as usual, and the fragments come back current within tau steps).
+The absence is the wall time between two step boundaries minus the time blocked on the syncer. With tau = 0 the learner
 adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for every merge.
 
 The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
@@ -93,6 +102,7 @@ class LearnerStats:
   recoveries: int = 0  # syncer restarts recovered from
   steps_taken_back: int = 0  # steps (summed over fragments) pushed again after a restart lost them
   rebased: int = 0  # fragments rebased onto a restored global
+  catch_ups: int = 0  # absences after which every fragment was synced at once (module docstring)
 
 
 def _take(leaf, shape, a: int, b: int):
@@ -212,6 +222,9 @@ class Learner:
     self._keep_progress = bool(outer.keep_local_progress)
     self._zeros = [jax.device_put(np.zeros(self.plan.size(p), np.float32), self._replicated)
                    for p in range(self.plan.num_fragments)]
+    self._stall_s = config_lib.stall_bound_s(config)
+    self._boundary = None  # (wall time, blocked_s) at the last step boundary
+    self._absent = False  # an absence seen and not yet caught up with
 
   # -- joining -------------------------------------------------------------------------------------
 
@@ -476,9 +489,44 @@ class Learner:
       self.tokens_since[p] += tokens
     self.check_syncer()
     self._adopt_ready(step)
-    for p in fragments_lib.due_fragments(self.plan, step):
+    due = fragments_lib.due_fragments(self.plan, step)
+    for p in due:
       self._snapshot(p, step)
+    if self._catching_up():
+      # Syncs still in flight may have been merged before or during the absence: settle them first, then
+      # sync every fragment holding work, and adopt them all now rather than tau steps later (no more steps
+      # on the stale mix).
+      self._settle_in_flight()
+      caught = [p for p in range(self.plan.num_fragments) if self.steps_since[p] > 0]
+      log.info("learner %d: back after an absence at step %d; syncing fragments %s now to catch up with the "
+               "global model", self.learner_id, step, caught)
+      for p in caught:
+        self._snapshot(p, step)
+      self._settle_in_flight()
+      self.stats.catch_ups += 1
     self.stats.outer_cpu_s += time.thread_time() - cpu0
+
+  def _settle_in_flight(self) -> None:
+    while self.in_flight:
+      self._wait(self.in_flight[0])
+
+  def _note_absence(self) -> None:
+    """At a step boundary: was this learner away since the last one (module docstring, "Catching up")? Only
+    the process that talks to the syncer judges (it knows the step time the syncer judges by)."""
+    now, blocked = time.perf_counter(), self.stats.blocked_s
+    if self._boundary is not None and self.comms is not None:
+      step_s = self.comms.step_time_s
+      # Since the last boundary: one step, the outer loop's work (blocked waits out) and the loop's own.
+      away_s = now - self._boundary[0] - (blocked - self._boundary[1]) - step_s
+      if step_s > 0 and protocol.stalled(away_s, self._stall_s, step_s) and away_s >= self.plan.sync_every * step_s:
+        self._absent = True
+    self._boundary = (now, blocked)
+
+  def _catching_up(self) -> bool:
+    """Whether to sync every fragment now after an absence (a multi-host learner's is agreed by its
+    processes, learner/group.py)."""
+    absent, self._absent = self._absent, False
+    return absent
 
   def train_step(self) -> None:
     t0 = time.perf_counter()
@@ -489,6 +537,7 @@ class Learner:
       jax.block_until_ready(metrics)
       self.pacer.stretch(time.perf_counter() - t0)
     blocked_before = self.stats.blocked_s
+    self._note_absence()
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
@@ -545,6 +594,7 @@ def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) ->
       "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
       "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
       "recoveries": stats.recoveries, "steps_taken_back": stats.steps_taken_back, "rebased": stats.rebased,
+      "catch_ups": stats.catch_ups,
       **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
       "local_eval_loss": eval_loss, "params": trainer.num_params, "batch_size": trainer.batch_size,
       "devices": len(trainer.mesh.devices.flat),
