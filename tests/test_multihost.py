@@ -215,6 +215,40 @@ def test_multi_process_learner_recovers_from_a_syncer_restart(tmp_path):
 
 
 @pytest.mark.slow
+def test_multi_process_learner_back_from_a_stop_catches_up_on_every_process(tmp_path):
+  """Shipped settings: a learner of 2 processes is SIGSTOPped (both processes) for 6 s while a second
+  learner trains on. Back, process 0 judges the absence and both processes sync every fragment at the same
+  step (a mismatch would hang their collectives): both finish, nothing refused."""
+  steps = 300
+  run = helpers.ProcessRun(tmp_path, helpers.shipped_overrides(
+      steps=steps, learners=2, **{"learners.devices": 2, "learners.peer_timeout_s": 30.0,
+                                  "train.min_step_s": 0.05}))
+  try:
+    run.syncer()
+    group = run.group_learner(0, hosts=2)
+    run.learner(1, devices=2)
+    wait_for(lambda: run.step(0) >= 40 and run.step(1) >= 40, "both learners training")
+    for proc in group:
+      proc.send_signal(signal.SIGSTOP)
+    time.sleep(6.0)
+    for proc in group:
+      proc.send_signal(signal.SIGCONT)
+    for name in ("learner_0_p0", "learner_0_p1", "learner_1"):
+      run.wait_ok(name)
+  finally:
+    for proc in run.procs.values():
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+    run.kill_all()
+  s0 = run.summary(0)
+  assert s0["completed"] and s0["catch_ups"] >= 1 and s0["rejected_pushes"] == [], s0
+  caught = [[line[line.index("back after an absence"):] for line in run.log(f"learner_0_p{p}").splitlines()
+             if "back after an absence" in line] for p in range(2)]
+  assert caught[0] and caught[0] == caught[1], caught  # the same catch-up, at the same step, on both
+  assert f"done at step {steps}" in run.log("learner_0_p1")
+
+
+@pytest.mark.slow
 def test_killed_coordinator_ends_the_other_processes(tmp_path):
   # Process 0 hosts jax's coordination service: when it dies, jax's runtime ends the others at once.
   run = helpers.ProcessRun(tmp_path, _overrides(steps=200, **{"learners.devices": 2,

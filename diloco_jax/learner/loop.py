@@ -498,8 +498,8 @@ class Learner:
       # on the stale mix).
       self._settle_in_flight()
       caught = [p for p in range(self.plan.num_fragments) if self.steps_since[p] > 0]
-      log.info("learner %d: back after an absence at step %d; syncing fragments %s now to catch up with the "
-               "global model", self.learner_id, step, caught)
+      log.warning("learner %d: back after an absence at step %d; syncing fragments %s now to catch up with the "
+                  "global model", self.learner_id, step, caught)
       for p in caught:
         self._snapshot(p, step)
       self._settle_in_flight()
