@@ -11,6 +11,7 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax import inprocess
 from diloco_jax import trainer as trainer_lib
+from diloco_jax.learner import loop as loop_lib
 
 
 def _identity_outer_loop(c, tau, keep_local_progress):
@@ -114,7 +115,7 @@ def test_split_fragments_one_due_every_step_keep_the_outer_loop_invisible(tiny_c
 
 def test_a_learner_back_from_an_absence_catches_up_on_every_fragment(tiny_config):
   """Shipped quorum and stall bound (tiny_cpu), two learners: learner 0 is away for longer than the
-  stall bound and a full period H of its steps while learner 1 keeps training and merging. At its next
+  stall bound and several periods H of its steps while learner 1 keeps training and merging. At its next
   step boundary learner 0 syncs every fragment and adopts them all at once: it resumes on the current
   global model, not on a mix of fresh and stale fragments. A learner that steps steadily never does."""
   c = tiny_config
@@ -136,7 +137,9 @@ def test_a_learner_back_from_an_absence_catches_up_on_every_fragment(tiny_config
     versions_before = list(away.base_version)
     start = time.monotonic()
     bound = config_lib.stall_bound_s(c) + 0.1
-    while time.monotonic() - start < bound or steady.trainer.step < away.trainer.step + 3 * c.outer.sync_every:
+    # Away for the stall bound and CATCH_UP_PERIODS periods of its cadence (here its step and the other's).
+    periods = 2 * loop_lib.CATCH_UP_PERIODS + 2
+    while time.monotonic() - start < bound or steady.trainer.step < away.trainer.step + periods * c.outer.sync_every:
       steady.train_step()
     current = job.core.status()["versions"]
     assert all(v > b for v, b in zip(current, versions_before))  # the global moved on without learner 0

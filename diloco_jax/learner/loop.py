@@ -11,17 +11,21 @@ Between two inner steps the loop (never waiting on the network):
      base_p - theta_p on the device into one flat vector, starts its copy to the host, and hands it to
      the comms worker, which encodes, pushes and fetches the merged result in the background.
 It waits only when `outer.max_in_flight` fragments are already in flight, or when a fragment falls due
-again before its previous sync came back; that wait is counted as blocked time.
-
-Catching up. A learner that was away (stopped, swapped out, stuck in a long eval) for longer than the
-syncer's stall rule allows and than one full period H of its own steps finds the global model moved on
-without it: every fragment it did not sync meanwhile is many rounds behind the ones it adopts as their
-syncs come back. Training on such a mix of fresh and stale fragments (until each falls due) makes outer
-gradients that mostly fit the fresh fragments to the stale ones: large, wrong, and refused as outliers.
-So at the step boundary after such an absence it syncs every fragment it holds work for at once (the
-work it did before the absence goes out as usual, and the fragments come back current within tau steps).
-The absence is the wall time between two step boundaries minus the time blocked on the syncer. With tau = 0 the learner
+again before its previous sync came back; that wait is counted as blocked time. With tau = 0 the learner
 adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for every merge.
+
+Catching up. A learner that was away (stopped, swapped out, cut off from its devices) long enough for the
+syncer's stall rule to count it out and for `CATCH_UP_PERIODS` full periods H of its own steps to pass
+finds the global model moved on without it: every fragment it did not sync meanwhile is many rounds
+behind the ones it adopts as their syncs come back. Training on such a mix of fresh and stale fragments
+(until each falls due) makes outer gradients that mostly fit the fresh fragments to the stale ones:
+large, wrong, and refused as outliers. So at the step boundary after such an absence it settles its syncs
+in flight, syncs every fragment it holds work for, and adopts them all at once (its work from before the
+absence goes out as usual). The absence is the wall time since the last step boundary less the time
+blocked on the syncer and one step; its own steps are timed by the median of its recent boundary-to-
+boundary intervals (its real cadence, whatever the dispatch and the host's other threads do). A shorter
+pause (an eval, a compilation, a busy host) leaves the bases at most a period or two behind, which the
+schedule itself catches up within H steps: catching up then would only spend bytes.
 
 The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
 only ever holds the fragments in flight.
@@ -51,6 +55,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from typing import Sequence
 
@@ -69,6 +74,8 @@ from diloco_jax.learner.pace import StepPacer
 log = logging.getLogger(__name__)
 
 RECEIPT_LOG = 64  # accepted pushes remembered per fragment (their work is pushed again if a crash lost it)
+CATCH_UP_PERIODS = 3  # an absence of at least this many periods H of the learner's own steps (docstring)
+_CADENCE_WINDOW = 32  # recent boundary-to-boundary intervals whose median is the learner's cadence
 
 
 @dataclasses.dataclass
@@ -225,6 +232,7 @@ class Learner:
     self._stall_s = config_lib.stall_bound_s(config)
     self._boundary = None  # (wall time, blocked_s) at the last step boundary
     self._absent = False  # an absence seen and not yet caught up with
+    self._intervals: collections.deque[float] = collections.deque(maxlen=_CADENCE_WINDOW)
 
   # -- joining -------------------------------------------------------------------------------------
 
@@ -515,11 +523,15 @@ class Learner:
     the process that talks to the syncer judges (it knows the step time the syncer judges by)."""
     now, blocked = time.perf_counter(), self.stats.blocked_s
     if self._boundary is not None and self.comms is not None:
+      interval = now - self._boundary[0] - (blocked - self._boundary[1])  # blocked waits out
       step_s = self.comms.step_time_s
-      # Since the last boundary: one step, the outer loop's work (blocked waits out) and the loop's own.
-      away_s = now - self._boundary[0] - (blocked - self._boundary[1]) - step_s
-      if step_s > 0 and protocol.stalled(away_s, self._stall_s, step_s) and away_s >= self.plan.sync_every * step_s:
-        self._absent = True
+      if len(self._intervals) >= _CADENCE_WINDOW // 2 and step_s > 0:
+        cadence = statistics.median(self._intervals)
+        away_s = interval - cadence  # since the last boundary, less one step of its own
+        if (protocol.stalled(away_s, self._stall_s, step_s)
+            and away_s >= CATCH_UP_PERIODS * self.plan.sync_every * cadence):
+          self._absent = True
+      self._intervals.append(interval)
     self._boundary = (now, blocked)
 
   def _catching_up(self) -> bool:
