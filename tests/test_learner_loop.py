@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import config as config_lib
 from diloco_jax import inprocess
 from diloco_jax import trainer as trainer_lib
 from diloco_jax.learner import loop as loop_lib
@@ -114,40 +113,38 @@ def test_split_fragments_one_due_every_step_keep_the_outer_loop_invisible(tiny_c
 
 
 def test_a_learner_back_from_an_absence_catches_up_on_every_fragment(tiny_config):
-  """Shipped quorum and stall bound (tiny_cpu), two learners: learner 0 is away for longer than the
-  stall bound and several periods H of its steps while learner 1 keeps training and merging. At its next
-  step boundary learner 0 syncs every fragment and adopts them all at once: it resumes on the current
-  global model, not on a mix of fresh and stale fragments. A learner that steps steadily never does."""
+  """Shipped quorum (K = 1 + grace, tiny_cpu), two learners: learner 0 stops stepping while learner 1
+  trains many periods. When a fragment of learner 0 comes back that many rounds ahead of its base, it
+  syncs every fragment and adopts them all at once: it resumes on the current global model, not on a mix
+  of fresh and stale fragments. Learners that step alike never do."""
   c = tiny_config
   c.learners.num, c.learners.devices = 2, 2
   job = inprocess.InProcessRun(c, None)
   away, steady = job.learners
+  H = c.outer.sync_every
   try:
     away.join()
     steady.join()
-    for _ in range(3 * c.outer.sync_every):  # past the compilations (a pause there is an absence too)
+    for _ in range(5 * H):
       away.train_step()
       steady.train_step()
-    before = away.stats.catch_ups, steady.stats.catch_ups
-    for _ in range(2 * c.outer.sync_every):
-      away.train_step()
+    assert away.stats.catch_ups == steady.stats.catch_ups == 0  # stepping alike: usual jumps only
+    for _ in range(4 * loop_lib.CATCH_UP_PERIODS * H):  # learner 0 is away for many of its periods
       steady.train_step()
-    assert (away.stats.catch_ups, steady.stats.catch_ups) == before  # steady stepping: no catch-up
     syncs = away.stats.syncs
-    versions_before = list(away.base_version)
-    start = time.monotonic()
-    bound = config_lib.stall_bound_s(c) + 0.1
-    # Away for the stall bound and CATCH_UP_PERIODS periods of its cadence (here its step and the other's).
-    periods = 2 * loop_lib.CATCH_UP_PERIODS + 2
-    while time.monotonic() - start < bound or steady.trainer.step < away.trainer.step + periods * c.outer.sync_every:
+    for _ in range(4 * H):  # back: the next fragment it syncs comes back far ahead of its base
+      away.train_step()
+      if away.stats.catch_ups:
+        break
+      time.sleep(0.02)  # a step's time, for the round its push opened to close (the grace window)
+    assert away.stats.catch_ups == 1 and not away.in_flight and away.stats.syncs >= syncs + 2
+    # Every fragment is the current global one (nobody else pushed meanwhile).
+    assert away.base_version == job.core.status()["versions"], (away.base_version, job.core.status()["versions"])
+    before = away.stats.catch_ups
+    for _ in range(3 * H):
+      away.train_step()
       steady.train_step()
-    current = job.core.status()["versions"]
-    assert all(v > b for v, b in zip(current, versions_before))  # the global moved on without learner 0
-    away.train_step()
-    assert away.stats.catch_ups == before[0] + 1
-    assert not away.in_flight and away.stats.syncs > syncs
-    # Every fragment is the global one, at least as new as before the absence ended.
-    assert all(b >= v for b, v in zip(away.base_version, current)), (away.base_version, current, away.comms.rejected)
+    assert away.stats.catch_ups == before  # once caught up, its jumps are usual again
   finally:
     away.flush()
     steady.flush()

@@ -212,9 +212,13 @@ def test_a_stopped_learner_does_not_freeze_the_others(tmp_path):
   s2 = run.summary(2)
   assert s2["completed"] and s2["pushes"] >= 10
   _versions_monotone(tmp_path, 3)
-  # Back from the stop it catches up on every fragment at once (learner/loop.py, "Catching up"): its next
-  # pushes are outer gradients of the current global model, none refused as an outlier.
-  assert s2["catch_ups"] >= 1 and s2["rejected_pushes"] == [], s2
+  # Back from the stop it catches up on every fragment at once (learner/loop.py, "Catching up"): its pushes
+  # from then on are outer gradients of the current global model. Before the catch-up, every push of its
+  # post-stop work was refused as an outlier (3 of 3 runs). What can still be refused, once: the push of a
+  # fragment's steps taken before the stop (the stop comes within its first 20 steps here, where updates are
+  # ten times the others' later ones), rebased onto the 80-rounds-newer global: 1 of 7 runs.
+  assert s2["catch_ups"] >= 1 and len(s2["rejected_pushes"]) <= 1, s2
+  assert set(s2["rejected_pushes"]) <= {"outlier"}, s2
 
 
 def test_sigterm_ends_a_learner_stuck_on_a_dead_syncer_with_its_checkpoint(tmp_path):

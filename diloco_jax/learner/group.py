@@ -8,9 +8,8 @@ transport (it alone joins, pushes, pulls and heartbeats), and handed to the othe
   shares (the fragments in flight, their snapshot steps, tau), so all processes reach the same decision
   points in the same order and number them alike. Between them nothing is exchanged: a step with no
   fragment waiting to be adopted costs nothing. Every `train.log_every` steps a decision point also
-  carries the stop flag (a signal on any process stops the learner at the same step everywhere) and
-  process 0's word on catching up after an absence (`Learner._catching_up`: every process then syncs the
-  same fragments at the same step).
+  carries the stop flag (a signal on any process stops the learner at the same step everywhere). Catching
+  up after an absence needs no message: it follows from the versions adopted, the same on every process.
 * **what**: at a decision point process 0 looks at its futures and publishes one small message (which
   fragments in flight to adopt, their versions, kinds and epochs; or stop; or the error that ended it)
   through `multihost.HostChannel`; the others read it. Process 0 never waits for them.
@@ -54,7 +53,6 @@ class GroupLearner(loop_lib.Learner):
     self._seq = 0
     self._local_stop = lambda: False
     self.stop_agreed = False
-    self._catch_up_agreed = False
     self.decisions = 0
     # Host time in decisions: publishing them (process 0, whose waits for the syncer count as blocked_s
     # only), or waiting for and reading them (the others: this includes process 0's waits).
@@ -148,16 +146,13 @@ class GroupLearner(loop_lib.Learner):
 
     def message():
       stop = check_stop and (self._local_stop() or self.channel.stop_requested())
-      catch_up, self._absent = self._absent, False
       if self._restarted(items):
-        return {"adopt": [], "stop": stop, "recover": True, "catch_up": catch_up}
+        return {"adopt": [], "stop": stop, "recover": True}
       ready = [i for i in candidates if items[i].future.done()]
-      return {"adopt": [self._entry(i, items[i].future.result()) for i in ready], "stop": stop,
-              "catch_up": catch_up}
+      return {"adopt": [self._entry(i, items[i].future.result()) for i in ready], "stop": stop}
 
     decided = self._decide(message)
     self.stop_agreed = self.stop_agreed or bool(decided.get("stop"))
-    self._catch_up_agreed = self._catch_up_agreed or bool(decided.get("catch_up"))
     if decided.get("recover"):
       self._recover()
       return
@@ -183,11 +178,6 @@ class GroupLearner(loop_lib.Learner):
         self._recover()
         return
     self._adopt_decided(decided["adopt"], items)
-
-  def _catching_up(self) -> bool:
-    """Process 0's word from the last decision point (only process 0 judges an absence)."""
-    agreed, self._catch_up_agreed = self._catch_up_agreed, False
-    return agreed
 
   # -- syncer restarts (process 0 decides, every process applies) ---------------------------------------
 

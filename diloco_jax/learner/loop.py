@@ -14,18 +14,19 @@ It waits only when `outer.max_in_flight` fragments are already in flight, or whe
 again before its previous sync came back; that wait is counted as blocked time. With tau = 0 the learner
 adopts at the snapshot's own step boundary (synchronous DiLoCo), so it waits for every merge.
 
-Catching up. A learner that was away (stopped, swapped out, cut off from its devices) long enough for the
-syncer's stall rule to count it out and for `CATCH_UP_PERIODS` full periods H of its own steps to pass
+Catching up. A learner that was away (stopped, swapped out, starved of its host) while the others trained
 finds the global model moved on without it: every fragment it did not sync meanwhile is many rounds
 behind the ones it adopts as their syncs come back. Training on such a mix of fresh and stale fragments
 (until each falls due) makes outer gradients that mostly fit the fresh fragments to the stale ones:
-large, wrong, and refused as outliers. So at the step boundary after such an absence it settles its syncs
-in flight, syncs every fragment it holds work for, and adopts them all at once (its work from before the
-absence goes out as usual). The absence is the wall time since the last step boundary less the time
-blocked on the syncer and one step; its own steps are timed by the median of its recent boundary-to-
-boundary intervals (its real cadence, whatever the dispatch and the host's other threads do). A shorter
-pause (an eval, a compilation, a busy host) leaves the bases at most a period or two behind, which the
-schedule itself catches up within H steps: catching up then would only spend bytes.
+large, wrong, and refused as outliers. The learner sees it in the versions, not on a clock: when an
+adopted fragment jumped more than `CATCH_UP_PERIODS` times the rounds a sync of its usually spans (the
+median of its recent jumps; before it has a few, the number of learners: K = 1 closes about one round
+per learner and period), the others did several of its periods' work meanwhile. Then, at that same step
+boundary, it settles its syncs in flight, syncs every fragment it holds work for, and adopts them all at
+once (its work from before the absence goes out as usual). Versions, unlike wall time, are not fooled by
+asynchronous dispatch, evals, compilations or a busy host that slows everyone alike, and a slow learner's
+jumps are its usual ones. Every process of a multi-host learner adopts the same versions, so each
+reaches the same decision by itself.
 
 The base (the global fragments last adopted) lives on the device, sharded like the parameters: the host
 only ever holds the fragments in flight.
@@ -74,8 +75,9 @@ from diloco_jax.learner.pace import StepPacer
 log = logging.getLogger(__name__)
 
 RECEIPT_LOG = 64  # accepted pushes remembered per fragment (their work is pushed again if a crash lost it)
-CATCH_UP_PERIODS = 3  # an absence of at least this many periods H of the learner's own steps (docstring)
-_CADENCE_WINDOW = 32  # recent boundary-to-boundary intervals whose median is the learner's cadence
+CATCH_UP_PERIODS = 5  # a version jump this many times the usual one means the learner was away (docstring)
+_JUMP_HISTORY = 16  # recent version jumps of adopted fragments; their median is the usual jump
+_JUMP_WARMUP = 3  # jumps needed before their median is trusted (before: learners.num)
 
 
 @dataclasses.dataclass
@@ -229,10 +231,8 @@ class Learner:
     self._keep_progress = bool(outer.keep_local_progress)
     self._zeros = [jax.device_put(np.zeros(self.plan.size(p), np.float32), self._replicated)
                    for p in range(self.plan.num_fragments)]
-    self._stall_s = config_lib.stall_bound_s(config)
-    self._boundary = None  # (wall time, blocked_s) at the last step boundary
     self._absent = False  # an absence seen and not yet caught up with
-    self._intervals: collections.deque[float] = collections.deque(maxlen=_CADENCE_WINDOW)
+    self._jumps: collections.deque[int] = collections.deque(maxlen=_JUMP_HISTORY)
 
   # -- joining -------------------------------------------------------------------------------------
 
@@ -284,6 +284,7 @@ class Learner:
   def _adopt_result(self, item: InFlight, result: SyncResult) -> None:
     """Adopt the merged fragment of a sync in flight, remembering its receipt (a later restart may lose
     that merge; its work is then pushed again)."""
+    self._note_jump(item.fragment, result)
     self._adopt(result, item.snapshot)
     if result.receipt is not None:
       r = result.receipt
@@ -511,6 +512,7 @@ class Learner:
       for p in caught:
         self._snapshot(p, step)
       self._settle_in_flight()
+      self._absent = False  # the catch-up's own adoptions jump too
       self.stats.catch_ups += 1
     self.stats.outer_cpu_s += time.thread_time() - cpu0
 
@@ -518,21 +520,17 @@ class Learner:
     while self.in_flight:
       self._wait(self.in_flight[0])
 
-  def _note_absence(self) -> None:
-    """At a step boundary: was this learner away since the last one (module docstring, "Catching up")? Only
-    the process that talks to the syncer judges (it knows the step time the syncer judges by)."""
-    now, blocked = time.perf_counter(), self.stats.blocked_s
-    if self._boundary is not None and self.comms is not None:
-      interval = now - self._boundary[0] - (blocked - self._boundary[1])  # blocked waits out
-      step_s = self.comms.step_time_s
-      if len(self._intervals) >= _CADENCE_WINDOW // 2 and step_s > 0:
-        cadence = statistics.median(self._intervals)
-        away_s = interval - cadence  # since the last boundary, less one step of its own
-        if (protocol.stalled(away_s, self._stall_s, step_s)
-            and away_s >= CATCH_UP_PERIODS * self.plan.sync_every * cadence):
-          self._absent = True
-      self._intervals.append(interval)
-    self._boundary = (now, blocked)
+  def _note_jump(self, p: int, result: SyncResult) -> None:
+    """Before adopting a sync's result: how many rounds fragment p moved since its base; a jump far beyond
+    the usual one means the learner was away (module docstring, "Catching up")."""
+    if result.epoch != self.base_epoch[p] or self.base_epoch[p] == 0:
+      return  # another numbering (a syncer restart: recovery settles it), or no base yet
+    jump = result.version - self.base_version[p]
+    usual = statistics.median(self._jumps) if len(self._jumps) >= _JUMP_WARMUP else self.config.learners.num
+    if jump > CATCH_UP_PERIODS * max(1.0, usual):
+      self._absent = True
+    else:
+      self._jumps.append(jump)  # an absence's jump is not a usual one
 
   def _catching_up(self) -> bool:
     """Whether to sync every fragment now after an absence (a multi-host learner's is agreed by its
@@ -549,7 +547,6 @@ class Learner:
       jax.block_until_ready(metrics)
       self.pacer.stretch(time.perf_counter() - t0)
     blocked_before = self.stats.blocked_s
-    self._note_absence()
     self.after_step(self.trainer.tokens - tokens_before)
     elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
