@@ -216,10 +216,10 @@ def test_multi_process_learner_recovers_from_a_syncer_restart(tmp_path):
 
 @pytest.mark.slow
 def test_multi_process_learner_back_from_a_stop_catches_up_on_every_process(tmp_path):
-  """Shipped settings: a learner of 2 processes is SIGSTOPped (both processes) for 6 s while a second
+  """Shipped settings: a learner of 2 processes is SIGSTOPped (both processes) for 15 s while a second
   learner trains on. Back, process 0 judges the absence and both processes sync every fragment at the same
   step (a mismatch would hang their collectives): both finish, nothing refused."""
-  steps = 300
+  steps = 1000  # learner 1 trains on through the stop
   run = helpers.ProcessRun(tmp_path, helpers.shipped_overrides(
       steps=steps, learners=2, **{"learners.devices": 2, "learners.peer_timeout_s": 30.0,
                                   "train.min_step_s": 0.05}))
@@ -230,7 +230,7 @@ def test_multi_process_learner_back_from_a_stop_catches_up_on_every_process(tmp_
     wait_for(lambda: run.step(0) >= 40 and run.step(1) >= 40, "both learners training")
     for proc in group:
       proc.send_signal(signal.SIGSTOP)
-    time.sleep(6.0)
+    time.sleep(15.0)  # learner 1 trains on: 30 periods at its paced 0.05 s a step
     for proc in group:
       proc.send_signal(signal.SIGCONT)
     for name in ("learner_0_p0", "learner_0_p1", "learner_1"):
