@@ -501,7 +501,7 @@ class Learner:
     due = fragments_lib.due_fragments(self.plan, step)
     for p in due:
       self._snapshot(p, step)
-    if self._catching_up():
+    if self._absent:
       # Syncs still in flight may have been merged before or during the absence: settle them first, then
       # sync every fragment holding work, and adopt them all now rather than tau steps later (no more steps
       # on the stale mix).
@@ -532,11 +532,6 @@ class Learner:
     else:
       self._jumps.append(jump)  # an absence's jump is not a usual one
 
-  def _catching_up(self) -> bool:
-    """Whether to sync every fragment now after an absence (a multi-host learner's is agreed by its
-    processes, learner/group.py)."""
-    absent, self._absent = self._absent, False
-    return absent
 
   def train_step(self) -> None:
     t0 = time.perf_counter()
