@@ -48,13 +48,6 @@ REASON_METADATA_KEY = "diloco-reason"  # gRPC trailing metadata: the machine-rea
 ECHO_CHARS = 64  # at most this much of a wire string is quoted back in a message or a log line
 
 
-def stalled(idle_s: float, stall_s: float, step_time_s: float) -> bool:
-  """The stall rule, shared by the syncer (a learner whose step counter has not moved for `idle_s` stops
-  counting toward quorums) and the learner (which knows from it that the others went on without it):
-  idle longer than `stall_s` plus one of its own step times."""
-  return idle_s > stall_s + step_time_s
-
-
 def shorten(value, limit: int = ECHO_CHARS) -> str:
   """`repr(value)` cut to about `limit` characters, saying how long it was: how a string from the wire
   (a fingerprint, a codec name...) is quoted in a reply or a log line, so a hostile 1 MiB field is never

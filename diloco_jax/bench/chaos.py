@@ -196,8 +196,7 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
                                       inner_steps=o.sync_every, fragments=o.num_fragments, tau=o.tau,
                                       min_quorum=o.min_quorum or learners, max_grace_s=o.max_grace_s,
                                       grace_gamma=o.grace_gamma,
-                                      max_in_flight=fragments.in_flight_limit(o.max_in_flight, o.num_fragments,
-                                                                              o.sync_every, o.tau),
+                                      max_in_flight=fragments.in_flight_limit_for(config),
                                       t_sync_s=0.005, snapshot_s=0.0, **common),
   }
 

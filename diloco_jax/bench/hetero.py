@@ -195,7 +195,7 @@ def simulated(config, setting: str, speeds: tuple[float, ...], step_cv: float, s
       step_s=step_s, step_cv=step_cv, inner_steps=o.sync_every, fragments=o.num_fragments, snapshot_s=0.0,
       t_sync_s=t_sync_s, min_quorum=o.min_quorum or m, tau=o.tau, grace_gamma=o.grace_gamma,
       max_grace_s=o.max_grace_s,
-      max_in_flight=fragments_lib.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau),
+      max_in_flight=fragments_lib.in_flight_limit_for(config),
       groups=groups, max_pushes=20_000)
   cfg = sim_goodput.with_quorum_setting(cfg, setting)
   return sim_goodput.simulate(cfg, repeats=repeats).goodput, sim_goodput.lockstep_goodput(cfg)

@@ -201,9 +201,7 @@ class Learner:
     self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.plan_for_config(self.trainer.state.params, config)
-    self.max_in_flight = fragments_lib.in_flight_limit(
-        outer.max_in_flight, outer.num_fragments, fragments_lib.min_spacing(outer.sync_schedule, outer.sync_every,
-                                                                            outer.tau), outer.tau)
+    self.max_in_flight = fragments_lib.in_flight_limit_for(config)
     mesh, sh = self.trainer.mesh, self.trainer.shardings
     self._fns = [_fragment_fns(self.plan, p, mesh, sh.params) for p in range(self.plan.num_fragments)]
     keys = fragments_lib.leaf_keys(self.trainer.state.params)

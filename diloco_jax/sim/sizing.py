@@ -121,9 +121,8 @@ def downlink_history(config, learners: int) -> int:
 
 
 def in_flight(config) -> int:
-  """Fragments a learner of `config` may have pushed and not yet adopted (`fragments.in_flight_limit`)."""
-  o = config.outer
-  return fragments.in_flight_limit(o.max_in_flight, o.num_fragments, o.sync_every, o.tau)
+  """Fragments a learner of `config` may have pushed and not yet adopted (`fragments.in_flight_limit_for`)."""
+  return fragments.in_flight_limit_for(config)
 
 
 def syncer_disk_bytes(config, sizes) -> int:

@@ -134,7 +134,7 @@ from diloco_jax import chunked
 from diloco_jax import codec as codec_lib
 from diloco_jax import config as config_lib
 from diloco_jax import outer
-from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten, stalled
+from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
@@ -294,7 +294,7 @@ class _Member:
     return not self.left and now <= self.lease_until
 
   def progressing(self, now: float, stall_s: float) -> bool:
-    return not stalled(now - self.progress_at, stall_s, self.step_time_s)
+    return now - self.progress_at <= stall_s + self.step_time_s
 
   def counted(self, now: float, stall_s: float) -> bool:
     return self.live(now) and self.progressing(now, stall_s)

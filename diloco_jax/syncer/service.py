@@ -451,9 +451,7 @@ def workers_for(config) -> int:
 
 def _learner_in_flight(config) -> int:
   """A learner's comms workers: its fragments in flight (`outer.max_in_flight`, 0: the schedule's need)."""
-  o = config.outer
-  return fragments.in_flight_limit(int(o.max_in_flight), int(o.num_fragments),
-                                   fragments.min_spacing(o.sync_schedule, int(o.sync_every), int(o.tau)), int(o.tau))
+  return fragments.in_flight_limit_for(config)
 
 
 def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsConfig | None = None,
