@@ -501,3 +501,40 @@ def test_core_rounds_match_the_unfused_outer_math(rda):
     assert c.status()["versions"] == [version + 1]
     np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)
+
+
+def test_rounds_that_wait_on_each_other_close_after_the_stall_time():
+  """K = all, tau = 0, two fragments, learners out of phase: learner 0 waits on fragment 0's round, which
+  waits on learner 1, who waits on fragment 1's round, which waits on learner 0. No push can ever come;
+  after `stall_s` the older round closes with what it holds, and the rest goes on as usual. A round that
+  waits on a learner still stepping is never closed that way."""
+  c, clock = make_core(num_learners=2, sizes=(8, 8), k=2, stall_s=2.0, max_grace_s=0.0)
+  clock.t = 1.0
+  c.push(make_push(0, np.ones(8), fragment=0))
+  c.heartbeat(0, 10.0, step=5, blocked=True)
+  clock.t = 1.5
+  c.push(make_push(1, np.ones(8), fragment=1))
+  c.heartbeat(1, 10.0, step=5, blocked=True)
+  assert c.tick() == []
+  assert c.next_deadline() == pytest.approx(1.5 + 2.0)  # both stuck since the second push
+  clock.t = 3.49
+  assert c.tick() == [] and c.status()["versions"] == [0, 0]
+  clock.t = 3.5
+  assert c.tick() == [0]  # the older round, with learner 0's push alone
+  assert c.status()["versions"] == [1, 0] and c.counters["deadlocks_broken"] == 1
+  (record,) = c.drain_decisions()
+  assert record["close"] == "deadlock" and record["contributors"] == [0]
+  c.heartbeat(0, 10.0, step=5, blocked=False)
+  c.push(make_push(0, np.ones(8), fragment=1))  # learner 0 goes on: fragment 1's round is all in
+  assert c.status()["versions"] == [1, 1] and c.counters["deadlocks_broken"] == 1
+
+  # The same round waiting on a learner that steps (not blocked) waits for it, whatever the time.
+  c, clock = make_core(num_learners=2, sizes=(8, 8), k=2, stall_s=2.0, max_grace_s=0.0)
+  c.push(make_push(0, np.ones(8), fragment=0))
+  c.heartbeat(0, 10.0, step=5, blocked=True)
+  for step, t in enumerate((1.0, 5.0, 9.0, 13.0)):
+    clock.t = t
+    c.heartbeat(1, 10.0, step=step, blocked=False)
+    c.heartbeat(0, 10.0, step=5, blocked=True)
+    assert c.tick() == []
+  assert c.status()["versions"] == [0, 0] and c.counters["deadlocks_broken"] == 0

@@ -335,6 +335,7 @@ class _Round:
   step_times_s: tuple[float, ...] = ()  # of the contributors in at the quorum, in order of arrival
   t_sync_s: float = 0.0
   waited_for: tuple[int, ...] = ()  # live learners not yet in at the quorum
+  stuck_since: float | None = None  # since when it waits only on learners blocked on other stuck rounds
 
   def contributors(self) -> list[int]:
     """Distinct contributing learners, in order of first arrival."""
@@ -359,6 +360,7 @@ def _new_counters(num_fragments: int) -> dict[str, Any]:
       "leaves": 0,
       "leases_expired": 0,
       "learner_stalls": 0,
+      "deadlocks_broken": 0,  # rounds closed short of their quorum because they waited on each other
       "members_pruned": 0,
       "pushes_duplicate": 0,
       "rounds_refused": 0,  # rounds that would have published a non-finite value
@@ -385,7 +387,7 @@ def decision_record(fragment: int, version: int, rnd: _Round, closed: float, why
   arrival, coefficient). `quorum_s`, `grace_s`, `step_times_s`, `t_sync_s`: the grace window and its inputs
   (`syncer/policy.py`), `waited_for`: the live learners not yet in at the quorum, `arrived_in_grace`: those
   of them that made it, `open_s`: how long the round stayed open, `close`: "all_in" (every live learner
-  contributed) or "deadline". `period_weight`, `answered_for`: W and the learners it sums over, `share`:
+  contributed), "deadline", or "deadlock" (`_deadlocked_locked`). `period_weight`, `answered_for`: W and the learners it sums over, `share`:
   the share of a full round of work the round held (1 for everyone's period; before the discount),
   `moved`: the sum of the coefficients (the share with the staleness discount).
   """
@@ -881,6 +883,17 @@ class SyncerCore:
       self._changed()
     counted = set(self._counted(now))
     committed, refused = [], False
+    deadlocked = self._deadlocked_locked(counted, now)
+    if deadlocked is not None:
+      self.counters["deadlocks_broken"] += 1
+      log.warning("fragment %d: round waits on learners %s, each blocked on another fragment's round that "
+                  "waits on it; closing it with learners %s", deadlocked,
+                  sorted(counted - set(self._open[deadlocked].contributors()))[:STATUS_IDS],
+                  self._open[deadlocked].contributors()[:STATUS_IDS])
+      if self._close_locked(deadlocked, "deadlock"):
+        committed.append(deadlocked)
+      else:
+        refused = True
     for p, rnd in enumerate(self._open):
       if rnd is None:
         continue
@@ -899,6 +912,39 @@ class SyncerCore:
     if committed or refused:
       self._cond.notify_all()
     return committed
+
+  def _deadlocked_locked(self, counted: set[int], now: float) -> int | None:
+    """The fragment of the oldest round to close as a deadlock, if one has lasted `stall_s`.
+
+    A round short of its quorum waits on the counted learners not in it. When each of those is blocked on
+    the syncer (its heartbeats say so) and every open round holding its work is itself such a round, no
+    push can ever complete any of them: with tau = 0 (or a full in-flight limit) and K above 1, learners
+    out of phase (one joined late, or came back) each wait for a round of one fragment that waits for the
+    others' push of another. The stuck set is the largest set of rounds closed under that rule. A round
+    must stay stuck for `stall_s` (heartbeats come at least every third of it, so no learner's flag is
+    stale by then) before it closes with what it holds, as a partial round; its contributors go on and
+    push the fragments the others wait for."""
+    open_rounds = {p: rnd for p, rnd in enumerate(self._open) if rnd is not None}
+    missing = {p: counted - set(rnd.contributors()) for p, rnd in open_rounds.items() if rnd.deadline is None}
+    stuck = {p for p, waits in missing.items() if waits}
+    changed = True
+    while changed:
+      changed = False
+      for p in sorted(stuck):
+        for i in missing[p]:
+          member = self._members.get(i)
+          holding = [q for q, rnd in open_rounds.items() if i in rnd.contributors()]
+          if member is None or not member.blocked or not holding or not set(holding) <= stuck:
+            stuck.discard(p)
+            changed = True
+            break
+    for p, rnd in open_rounds.items():
+      if p not in stuck:
+        rnd.stuck_since = None
+      elif rnd.stuck_since is None:
+        rnd.stuck_since = now
+    due = [p for p in stuck if now - open_rounds[p].stuck_since >= self.settings.stall_s]
+    return min(due, key=lambda p: open_rounds[p].opened) if due else None
 
   def _reach_quorum_locked(self, p: int, rnd: _Round, quorum: list[int], live: set[int], now: float) -> None:
     """Fix the round's deadline: the quorum time plus the per-learner grace window (`round_grace_s`)."""
@@ -1056,6 +1102,9 @@ class SyncerCore:
   def _next_deadline_locked(self) -> float | None:
     now = self.clock()
     times = [r.deadline for r in self._open if r is not None and r.deadline is not None]
+    if math.isfinite(self.settings.stall_s):  # a deadlock breaks stall_s after it formed
+      times += [r.stuck_since + self.settings.stall_s for r in self._open
+                if r is not None and r.stuck_since is not None]
     if any(r is not None and r.deadline is None for r in self._open):
       stall_s = self.settings.stall_s
       for m in self._members.values():
