@@ -37,3 +37,39 @@ def test_bad_budgets_are_a_usage_error(values, capsys):
   with pytest.raises(cli.UsageError):
     quality._parse_budgets(values)
   assert "error: --budgets:" in capsys.readouterr().err
+
+
+def test_the_ladder_puts_the_parts_back_one_at_a_time(tmp_path, capsys):
+  """Each rung differs from the one before in the part it names; the last is the config as given, whose
+  figures are the pair's; a part the config does not use gets no rung."""
+  from diloco_jax import config as config_lib
+
+  c = config_lib.base_config()
+  c.outer.sync_every, c.outer.tau, c.outer.min_quorum = 8, 2, 1
+  rungs = quality.ladder(c)
+  assert [name for name, _, _ in rungs] == ["exact, H = 1", "exact, H = 8", "synchronous", "K = all",
+                                            "as configured"]
+  first, drift, sync, k_all, shipped = (r[2] for r in rungs)
+  assert (first.outer.sync_every, first.outer.num_fragments, first.outer.codec) == (1, 1, "fp32")
+  assert (drift.outer.sync_every, drift.outer.lr, drift.outer.momentum, drift.outer.tau) == (8, 1.0, 0.0, 0)
+  assert (sync.outer.codec, sync.outer.num_fragments, sync.outer.tau, sync.outer.min_quorum) == (
+      c.outer.codec, c.outer.num_fragments, 0, 0)
+  assert (k_all.outer.tau, k_all.outer.min_quorum) == (2, 0)
+  assert shipped.to_dict() == c.to_dict()
+  assert c.outer.sync_every == 8  # the rungs are copies
+  c.outer.tau, c.outer.min_quorum = 0, 0  # synchronous K = all: no overlap or quorum rung
+  assert [name for name, _, _ in quality.ladder(c)] == ["exact, H = 1", "exact, H = 8", "as configured"]
+
+  argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
+          "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
+          "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
+          f"--workdir={tmp_path / 'q'}", "--ladder", "--json"]
+  assert quality.main(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  ladder = out["ladder"]
+  assert [r["rung"] for r in ladder][-1] == "as configured"
+  assert ladder[-1]["eval_loss"] == pytest.approx(out["diloco_eval_loss"])
+  for r in ladder:
+    assert r["loss_ratio"] == pytest.approx(r["eval_loss"] / out["dp_eval_loss"])
+  # Exact averaging after every step moves fp32 both ways every step: the most bytes of any rung.
+  assert ladder[0]["bytes_ratio"] < ladder[-1]["bytes_ratio"]

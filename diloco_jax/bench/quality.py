@@ -11,6 +11,12 @@ warmup, evaluation interval), prints the ratio and the bytes ratio per budget, a
 (`--plot`, default `<workdir>/quality.png`): eval loss against tokens for both at the largest budget (the
 global model's for DiLoCo, evaluated every `train.eval_every` steps of learner 0), and the loss ratio
 against the budget.
+
+`--ladder` answers where the gap comes from: at each budget it also trains Decoupled DiLoCo with the parts
+of the algorithm put back one at a time (`ladder`), from the M learners averaged exactly after every inner
+step to the config as given, and prints each rung's eval loss against data-parallel and its increase over
+the rung before: that increase is the share of the gap the part it puts back costs. A part the config does
+not use (tau = 0, K = all) has no rung.
 """
 
 from __future__ import annotations
@@ -42,11 +48,57 @@ def _flags(fv):
                       "(default <workdir>/quality.png).", flag_values=fv)
 
 
-def run_pair(config, root: pathlib.Path, quiet: bool = False) -> dict:
-  """Data-parallel, then Decoupled DiLoCo, on `config`; the comparison as a dict."""
+  flags.DEFINE_bool("ladder", False, "Also train the rungs of `ladder` (the parts of Decoupled DiLoCo put "
+                    "back one at a time) and print each one's share of the gap.", flag_values=fv)
+
+
+# The exact-averaging outer loop: one fragment, no overlap, every live learner, the plain average of fp32
+# outer gradients as the new global (outer lr 1 without momentum).
+_EXACT = {"outer.num_fragments": 1, "outer.tau": 0, "outer.min_quorum": 0, "outer.lr": 1.0,
+          "outer.momentum": 0.0, "outer.codec": "fp32", "outer.downlink_codec": "fp32", "outer.rda": False}
+
+
+def ladder(config) -> list[tuple[str, str, object]]:
+  """(name, the part the rung puts back, its config) from exact averaging after every inner step to
+  `config` itself. A rung that changes nothing from the one before (a part the config does not use) is
+  left out; the last rung is always the config, under the part that rung before it put back."""
+  o = config.outer
+  rungs = [
+      ("exact, H = 1", "the inner optimizer: M learners on 1/M of the batch, averaged every step",
+       {**_EXACT, "outer.sync_every": 1, "outer.sync_schedule": "periodic"}),
+      (f"exact, H = {o.sync_every}", "local drift: H inner steps between averages", _EXACT),
+      ("synchronous", f"codecs {o.codec}/{o.downlink_codec}, P = {o.num_fragments}, outer lr {o.lr:g} / "
+       f"momentum {o.momentum:g}", {"outer.tau": 0, "outer.min_quorum": 0}),
+      ("K = all", f"the overlap: tau = {o.tau}", {"outer.min_quorum": 0}),
+      ("as configured", f"the quorum: K = {o.min_quorum or 'all'} with the grace window", {}),
+  ]
+  out = []
+  for name, part, overrides in rungs:
+    c = config.copy_and_resolve_references()
+    for path, value in overrides.items():
+      section, field = path.split(".")
+      c[section][field] = value
+    if out and c.to_dict() == out[-1][2].to_dict():
+      if not overrides:  # the config itself: it takes the place of the rung it equals
+        out[-1] = (name, out[-1][1], c)
+      continue
+    out.append((name, part, c))
+  return out
+
+
+def run_pair(config, root: pathlib.Path, quiet: bool = False, rungs: bool = False) -> dict:
+  """Data-parallel, then Decoupled DiLoCo, on `config`; the comparison as a dict. With `rungs`, DiLoCo
+  is trained at every rung of `ladder` (the last is `config` itself), listed under "ladder"."""
   dp = baseline.run(config, str(root / "dp"), quiet=quiet, export=False)
-  dl = inprocess.run(config, str(root / "diloco"), quiet=quiet, export=False)
-  return {
+  steps = ladder(config) if rungs else [("as configured", "", config)]
+  runs = []
+  for i, (name, part, c) in enumerate(steps):
+    workdir = root / ("diloco" if i == len(steps) - 1 else f"rung{i}")
+    if rungs and not quiet:
+      print(f"\nrung {i + 1}/{len(steps)}: {name} (puts back {part})", file=sys.stderr)
+    runs.append(inprocess.run(c, str(workdir), quiet=quiet, export=False))
+  dl = runs[-1]
+  pair = {
       "steps": config.train.steps,
       "dp_eval_loss": dp["final_eval_loss"], "diloco_eval_loss": dl["final_eval_loss"],
       "loss_ratio": dl["final_eval_loss"] / dp["final_eval_loss"],
@@ -57,6 +109,12 @@ def run_pair(config, root: pathlib.Path, quiet: bool = False) -> dict:
       "dp_curve": _curve(root / "dp" / "metrics.jsonl"),
       "diloco_curve": _curve(root / "diloco" / "global" / "metrics.jsonl"),  # the global model's
   }
+  if rungs:
+    pair["ladder"] = [{"rung": name, "puts_back": part, "eval_loss": r["final_eval_loss"],
+                       "loss_ratio": r["final_eval_loss"] / dp["final_eval_loss"],
+                       "bytes_ratio": dp["comm_bytes"] / max(r["comm_bytes"], 1), "outer_rounds": r["outer_rounds"],
+                       "wall_s": r["wall_s"]} for (name, part, _), r in zip(steps, runs)]
+  return pair
 
 
 def _curve(path: pathlib.Path) -> list[tuple[int, float]]:
@@ -84,6 +142,18 @@ def _print_pair(r: dict) -> None:
         f"{r['bytes_ratio']:>9.1f}x")
   print(f"{'tokens':24}{r['tokens']:>16,}{r['diloco_tokens']:>18,}")
   print(f"{'wall s':24}{r['dp_wall_s']:>16.1f}{r['diloco_wall_s']:>18.1f}")
+
+
+def _print_ladder(r: dict) -> None:
+  """Each rung's eval loss against data-parallel and its increase over the rung before (in % of the
+  data-parallel loss: the share of the gap the part it puts back costs)."""
+  print(f"\n{'rung':22}{'eval loss':>10}{'vs DP':>9}{'step':>9}{'bytes':>9}  puts back")
+  print(f"{'data-parallel':22}{r['dp_eval_loss']:>10.4f}")
+  previous = 1.0
+  for rung in r["ladder"]:
+    print(f"{rung['rung']:22}{rung['eval_loss']:>10.4f}{100 * (rung['loss_ratio'] - 1):>+8.1f}%"
+          f"{100 * (rung['loss_ratio'] - previous):>+8.1f}%{rung['bytes_ratio']:>8.1f}x  {rung['puts_back']}")
+    previous = rung["loss_ratio"]
 
 
 def _goal_line(budget: int, r: dict) -> str:
@@ -149,10 +219,11 @@ def main(argv) -> int:
   base_steps = config.train.steps
   # The DiLoCo run's devices, which the baseline uses all of (its evaluator shares the first learner's).
   available = len(cli.devices(config.learners.num * config.learners.devices, "bench quality"))
-  for b in budgets:  # every budget's config is valid before the first run starts
+  for b in budgets:  # every budget's (and rung's) config is valid before the first run starts
     config.train.steps = b * base_steps
-    cli.validated(config, available, learners=True)
     cli.validated(config, available, learners=False)
+    for _, _, c in ladder(config) if fv.ladder else [(None, None, config)]:
+      cli.validated(c, available, learners=True)
   root = pathlib.Path(fv.workdir)
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "
@@ -163,11 +234,13 @@ def main(argv) -> int:
   results = {}
   for b in budgets:
     config.train.steps = b * base_steps
-    results[b] = run_pair(config, root / f"x{b}" if len(budgets) > 1 else root, quiet=fv.json)
+    results[b] = run_pair(config, root / f"x{b}" if len(budgets) > 1 else root, quiet=fv.json, rungs=fv.ladder)
     if not fv.json:
       if len(budgets) > 1:
         print(f"\nbudget {b}x ({b * base_steps} steps):")
       _print_pair(results[b])
+      if fv.ladder:
+        _print_ladder(results[b])
       print(f"\ngoal: {_goal_line(b, results[b])}")
   config.train.steps = base_steps
   out = {"budgets": {str(b): r for b, r in results.items()}, "config": _settings(config)}
