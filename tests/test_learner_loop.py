@@ -47,12 +47,14 @@ def test_adoption_waits_tau_steps_and_keeps_the_local_progress(tiny_config, keep
       learner.train_step()
       if learner.stats.adopted > before:
         adopted_at.append(step)
+    lag = learner.stats.adopt_lag_steps
     learner.flush()
   finally:
     job.close()
   # Snapshots at steps 4 and 8 (s mod H == 0); each adoption at least tau = 2 steps later.
   assert learner.stats.syncs == 3 and len(adopted_at) >= 1  # the flush adds one sync
   assert all(step >= 6 for step in adopted_at) and (len(adopted_at) < 2 or adopted_at[1] >= 10)
+  assert lag == sum(step - snapshot for step, snapshot in zip(adopted_at, (4, 8)))  # the overlap it had
   # With the identity outer step, keeping the local progress makes the outer loop invisible: the learner
   # follows plain training exactly. Overwriting instead throws away the steps taken since the snapshot.
   assert _params_close(learner.trainer.state.params, plain.state.params) == keep_local_progress

@@ -112,6 +112,9 @@ class LearnerStats:
   steps_taken_back: int = 0  # steps (summed over fragments) pushed again after a restart lost them
   rebased: int = 0  # fragments rebased onto a restored global
   catch_ups: int = 0  # absences after which every fragment was synced at once (module docstring)
+  # Inner steps between a sync's snapshot and the adoption of its merged result, summed over adoptions:
+  # the overlap a run actually had (at least tau; more when merges come back later).
+  adopt_lag_steps: int = 0
 
 
 def _take(leaf, shape, a: int, b: int):
@@ -284,6 +287,7 @@ class Learner:
     that merge; its work is then pushed again)."""
     self._note_jump(item.fragment, result)
     self._adopt(result, item.snapshot)
+    self.stats.adopt_lag_steps += self.trainer.step - item.snapshot_step
     if result.receipt is not None:
       r = result.receipt
       self._merged[item.fragment].append(_Merged(r.epoch, r.round, item.steps, item.tokens))
