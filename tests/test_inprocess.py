@@ -55,6 +55,7 @@ def test_four_learners_on_two_device_slices_lower_the_eval_loss(tiny_config, tmp
   assert summary["contributions_merged"] >= 4
   assert summary["contributions_rejected"] == 0
   assert all(l["bytes_sent"] > 0 and l["bytes_received"] > 0 for l in summary["learners"])
+  assert all(l["adopt_lag_steps"] >= c.outer.tau > 0 for l in summary["learners"])  # adopted mid-run, overlapped
   assert summary["tokens"] == c.train.steps * c.data.global_batch * c.data.seq_len
   # Nothing lost: after the final flush every learner's every token reached the global model.
   assert summary["tokens_merged"] == summary["tokens"]

@@ -600,7 +600,7 @@ def learner_summary(learner: Learner, wall_s: float, eval_loss: float | None) ->
       "compute_utilization": stats.compute_s / wall_s if wall_s > 0 else 0.0,
       "syncs": stats.syncs, "adopted": stats.adopted, "late_merges": stats.late_merges,
       "recoveries": stats.recoveries, "steps_taken_back": stats.steps_taken_back, "rebased": stats.rebased,
-      "catch_ups": stats.catch_ups,
+      "catch_ups": stats.catch_ups, "adopt_lag_steps": stats.adopt_lag_steps,
       **({"rejected_pushes": list(learner.comms.rejected), **learner.comms.traffic()} if learner.comms else {}),
       "local_eval_loss": eval_loss, "params": trainer.num_params, "batch_size": trainer.batch_size,
       "devices": len(trainer.mesh.devices.flat),
