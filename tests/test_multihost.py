@@ -301,10 +301,12 @@ def test_launcher_with_hosts_per_learner(tmp_path):
   summary = json.loads((workdir / "summary.json").read_text())
   assert [s["learner"] for s in summary["learners"]] == [0, 1]
   assert all(s["steps"] == 12 and s["processes"] == 2 for s in summary["learners"])
-  assert summary["exit_codes"] == {f"learner {i} process {p}": 0 for i in range(2) for p in range(2)} | {"syncer": 0}
+  # The global model's evaluator runs beside them, as in every `local` run (test_processes.py).
+  processes = {f"learner {i} process {p}": 0 for i in range(2) for p in range(2)}
+  assert summary["exit_codes"] == processes | {"evaluator": 0, "syncer": 0}
   assert summary["final_eval_loss"] is not None and sum(summary["versions"]) >= 4
   assert {p.name for p in (workdir / "logs").iterdir()} == {
-      "syncer.log", "learner_0_p0.log", "learner_0_p1.log", "learner_1_p0.log", "learner_1_p1.log"}
+      "syncer.log", "evaluator.log", "learner_0_p0.log", "learner_0_p1.log", "learner_1_p0.log", "learner_1_p1.log"}
 
 
 # ---- without processes ------------------------------------------------------------------------------------

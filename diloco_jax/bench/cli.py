@@ -1,7 +1,8 @@
 """`python -m diloco_jax bench <name> [flags]`: benchmarks that print figures.
 
   step       tokens/s of the jitted inner step and its FLOP rate against a measured matmul rate
-  quality    data-parallel vs Decoupled DiLoCo on the same token budget: eval loss and bytes
+  quality    data-parallel vs Decoupled DiLoCo on the same token budget: eval loss and bytes (--ladder:
+             the gap split by part)
   overhead   a learner's tokens/s with its outer loop active against the bare inner step
   transport  fragment push/pull throughput over loopback gRPC against a raw socket copy
   wan        compute utilization on an emulated slow link, staggered fragments vs all-at-once
