@@ -78,18 +78,24 @@ def test_heartbeats_carry_a_robust_step_time():
   try:
     comms.join()
     assert comms.step_time_s == 0.0  # nothing reported yet
-    # A first step that compiled (30 s) and a stalled one (5 s) among steps of 0.2 to 0.4 s: the median of
-    # the recent steps ignores them (a mean would report about 2 s).
-    for seconds in (30.0, 0.2, 0.4, 0.3, 5.0, 0.3, 0.25):
-      comms.report_step_time(seconds)
-    expected = 0.3
-    assert comms.step_time_s == pytest.approx(expected)
-    for _ in range(32):  # only the last 32 steps count: the learner slowed down
-      comms.report_step_time(0.6)
+    comms.report_step_time(30.0, step=1)  # the first step compiled: not timed
+    assert comms.step_time_s == 0.0
+    comms.report_step_time(0.3, step=2)
+    assert comms.step_time_s == pytest.approx(0.3)  # before a whole group: the steps so far
+    # Asynchronous dispatch: 7 steps that only enqueue (5 ms), then one that waits for the device to run
+    # all 8 (0.5 s each). The median of single steps would say 5 ms; the groups' means say 0.5 s.
+    for step in range(3, 3 + 7 * 8):
+      comms.report_step_time(4.0 - 7 * 0.005 if step % 8 == 2 else 0.005, step=step)
+    assert comms.step_time_s == pytest.approx(0.5, rel=0.05)
+    # A stall of 20 s puts one group's mean at 3 s: the median across groups ignores it.
+    for step in range(100, 108):
+      comms.report_step_time(20.0 if step == 103 else 0.5, step=step)
+    assert comms.step_time_s == pytest.approx(0.5, rel=0.05)
+    for step in range(200, 200 + 8 * 8):  # only the last 8 groups count: the learner slowed down
+      comms.report_step_time(0.6, step=step)
     assert comms.step_time_s == pytest.approx(0.6)
-    expected = 0.6
-    helpers.wait_for(lambda: core.status()["members"]["0"]["step_time_s"] > 0, "a heartbeat", timeout=10)
-    assert core.status()["members"]["0"]["step_time_s"] == pytest.approx(expected)
+    helpers.wait_for(lambda: core.status()["members"]["0"]["step_time_s"] > 0.55, "a heartbeat", timeout=10)
+    assert core.status()["members"]["0"]["step_time_s"] == pytest.approx(0.6)
   finally:
     comms.close(leave=False)
 

@@ -39,7 +39,9 @@ from diloco_jax.protocol import REJOIN_REASONS, Published, Push, PushReceipt, Re
 
 log = logging.getLogger(__name__)
 
-_STEP_TIME_WINDOW = 32  # recent inner steps whose median is the step time reported to the syncer
+# The step time reported to the syncer: the median of the means of the last _STEP_GROUPS groups of
+# `step_group` consecutive steps (`Comms.report_step_time`).
+_STEP_GROUPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +66,16 @@ class Comms:
 
   def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
-               pull_timeout_s: float = 0.5):
+               pull_timeout_s: float = 0.5, step_group: int = 8):
     self.transport = transport
+    self._step_group = max(1, int(step_group))
     self.learner_id = learner_id
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
     # Reported by the inner loop, read by the heartbeat thread.
-    self._step_times: collections.deque[float] = collections.deque(maxlen=_STEP_TIME_WINDOW)
+    self._group_means: collections.deque[float] = collections.deque(maxlen=_STEP_GROUPS)
+    self._group = [0.0, 0]  # the current group's seconds and steps
     self._step: int | None = None  # the inner loop's step counter, sent with heartbeats (None: unknown)
     self._stepped = False  # a step was reported with its count (the first one compiled: not timed)
     self._blocked = False  # the inner loop waits on the syncer
@@ -92,17 +96,29 @@ class Comms:
                                        name=f"learner{learner_id}-heartbeat")
 
   def report_step_time(self, seconds: float, step: int | None = None) -> None:
-    """The inner loop's latest step time and, if given, its step counter (sent with heartbeats: the syncer's
-    evidence that this learner makes progress, shown by its status). The median of the recent step times
-    feeds the syncer's grace window and goodput estimate: robust to the noise of single steps (a step that
-    waited for the host), unlike a mean. The first step a process reports with its count is left out: it
-    compiled."""
+    """The inner loop's latest step time (the host wall time from the end of its previous step, waits on
+    the syncer excluded) and, if given, its step counter (sent with heartbeats: the syncer's evidence that
+    this learner makes progress, shown by its status). The step time feeds the syncer's grace window and
+    goodput estimate.
+
+    With asynchronous dispatch single step times are bimodal: most steps only enqueue work and return in
+    milliseconds, and now and then the loop waits for the device to catch up with all of them (a metrics
+    fetch every `train.log_every` steps, a snapshot's host copy). Their median is the dispatch time, a
+    hundredth of the real step on small_cpu (it made the grace window close before another learner's
+    push could arrive). So the estimate is the median of the means of the last `_STEP_GROUPS` groups of
+    `step_group` consecutive steps (the learner passes at least `train.log_every`, so that each group
+    holds a catching-up): a group's mean is the learner's real pace, and the median across groups
+    ignores a stall. The first step a process reports with its count is left out: it compiled."""
     with self._lock:
       warmup = step is not None and not self._stepped
       if step is not None:
         self._step, self._stepped = int(step), True
       if not warmup:
-        self._step_times.append(float(seconds))
+        self._group[0] += float(seconds)
+        self._group[1] += 1
+        if self._group[1] == self._step_group:
+          self._group_means.append(self._group[0] / self._step_group)
+          self._group = [0.0, 0]
 
   def report_step(self, step: int) -> None:
     """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
@@ -139,9 +155,12 @@ class Comms:
 
   @property
   def step_time_s(self) -> float:
-    """The median of the last 32 reported step times (0 before the first)."""
+    """The median of the recent groups' mean step times; before a whole group, the mean of the steps so
+    far (0 before the first; `report_step_time`)."""
     with self._lock:
-      return statistics.median(self._step_times) if self._step_times else 0.0
+      if self._group_means:
+        return statistics.median(self._group_means)
+      return self._group[0] / self._group[1] if self._group[1] else 0.0
 
   @property
   def cpu_s(self) -> float:

@@ -216,7 +216,14 @@ class Learner:
     self.comms = None if transport is None else Comms(
         transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-        max_in_flight=self.max_in_flight, heartbeat_s=config_lib.heartbeat_interval_s(config))
+        max_in_flight=self.max_in_flight, heartbeat_s=config_lib.heartbeat_interval_s(config),
+        step_group=max(8, config.train.log_every))
+    # The end of the previous step and the blocked time by then: a step's reported time runs from there
+    # (the loop's metrics fetches and evals between steps are part of its pace; `Comms.report_step_time`).
+    self._last_step_end: float | None = None
+    self._blocked_by_last_end = 0.0
+    # The steps dispatched but maybe not run yet: at most max(1, tau) (`train_step`).
+    self._dispatched: collections.deque = collections.deque()
     self.base_version = [0] * self.plan.num_fragments
     # The syncer epoch each base came from (0: none yet; version 0 is the seed's, the same in every epoch).
     self.base_epoch = [0] * self.plan.num_fragments
@@ -539,16 +546,27 @@ class Learner:
     t0 = time.perf_counter()
     tokens_before = self.trainer.tokens
     metrics = self.trainer.train_step()
+    # Bound how far the host runs ahead of the device. Unbounded, asynchronous dispatch let the host loop
+    # run up to a metrics fetch (train.log_every steps) ahead: a sync snapshotted at step s then came back
+    # when the host was ten steps further on small_cpu, so tau = 2 overlapped half a period, and every
+    # push was that much staler. max(1, tau) steps in the queue keep the device busy and tau meaningful.
+    self._dispatched.append(metrics)
+    if len(self._dispatched) > max(1, self._tau):
+      jax.block_until_ready(self._dispatched.popleft())
     if self.pacer.active:
       # Emulated speed: the step must have finished on the device before its wall time is stretched.
       jax.block_until_ready(metrics)
       self.pacer.stretch(time.perf_counter() - t0)
     blocked_before = self.stats.blocked_s
     self.after_step(self.trainer.tokens - tokens_before)
-    elapsed = time.perf_counter() - t0 - (self.stats.blocked_s - blocked_before)
+    end = time.perf_counter()
+    elapsed = end - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
+    since = t0 if self._last_step_end is None else self._last_step_end
+    pace = end - since - (self.stats.blocked_s - self._blocked_by_last_end)
+    self._last_step_end, self._blocked_by_last_end = end, self.stats.blocked_s
     if self.comms is not None:
-      self.comms.report_step_time(elapsed, self.trainer.step)
+      self.comms.report_step_time(pace, self.trainer.step)
 
   def flush(self) -> None:
     """At the end of training: sync every fragment once more so the global model holds all local work,
