@@ -75,7 +75,7 @@ class Comms:
     self.pull_timeout_s = pull_timeout_s
     # Reported by the inner loop, read by the heartbeat thread.
     self._group_means: collections.deque[float] = collections.deque(maxlen=_STEP_GROUPS)
-    self._group = [0.0, 0]  # the current group's seconds and steps
+    self._group_s, self._group_steps = 0.0, 0  # the current group's seconds and steps
     self._step: int | None = None  # the inner loop's step counter, sent with heartbeats (None: unknown)
     self._stepped = False  # a step was reported with its count (the first one compiled: not timed)
     self._blocked = False  # the inner loop waits on the syncer
@@ -114,11 +114,11 @@ class Comms:
       if step is not None:
         self._step, self._stepped = int(step), True
       if not warmup:
-        self._group[0] += float(seconds)
-        self._group[1] += 1
-        if self._group[1] == self._step_group:
-          self._group_means.append(self._group[0] / self._step_group)
-          self._group = [0.0, 0]
+        self._group_s += float(seconds)
+        self._group_steps += 1
+        if self._group_steps == self._step_group:
+          self._group_means.append(self._group_s / self._step_group)
+          self._group_s, self._group_steps = 0.0, 0
 
   def report_step(self, step: int) -> None:
     """The step counter before any step ran (a resumed learner's checkpoint step): a learner that joined
@@ -160,7 +160,7 @@ class Comms:
     with self._lock:
       if self._group_means:
         return statistics.median(self._group_means)
-      return self._group[0] / self._group[1] if self._group[1] else 0.0
+      return self._group_s / self._group_steps if self._group_steps else 0.0
 
   @property
   def cpu_s(self) -> float:

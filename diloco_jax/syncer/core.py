@@ -925,19 +925,23 @@ class SyncerCore:
     stale by then) before it closes with what it holds, as a partial round; its contributors go on and
     push the fragments the others wait for."""
     open_rounds = {p: rnd for p, rnd in enumerate(self._open) if rnd is not None}
-    missing = {p: counted - set(rnd.contributors()) for p, rnd in open_rounds.items() if rnd.deadline is None}
+    contributors = {p: set(rnd.contributors()) for p, rnd in open_rounds.items()}
+    holding: dict[int, set[int]] = collections.defaultdict(set)  # learner -> the open rounds with its work
+    for p, ids in contributors.items():
+      for i in ids:
+        holding[i].add(p)
+    missing = {p: counted - contributors[p] for p, rnd in open_rounds.items() if rnd.deadline is None}
     stuck = {p for p, waits in missing.items() if waits}
-    changed = True
-    while changed:
-      changed = False
-      for p in sorted(stuck):
-        for i in missing[p]:
-          member = self._members.get(i)
-          holding = [q for q, rnd in open_rounds.items() if i in rnd.contributors()]
-          if member is None or not member.blocked or not holding or not set(holding) <= stuck:
-            stuck.discard(p)
-            changed = True
-            break
+
+    def waits_on_stuck(i: int) -> bool:
+      member = self._members.get(i)
+      return member is not None and member.blocked and bool(holding[i]) and holding[i] <= stuck
+
+    while True:
+      free = {p for p in stuck if not all(waits_on_stuck(i) for i in missing[p])}
+      if not free:
+        break
+      stuck -= free
     for p, rnd in open_rounds.items():
       if p not in stuck:
         rnd.stuck_since = None
