@@ -17,7 +17,7 @@ Run (on the TPU VM hosts; 8 learners x 16 chips = 128 chips, e.g. v5p-256):
   python -m diloco_jax bench step --config configs/b1.py --devices 16
 """
 
-from diloco_jax.config import base_config, use_token_shards
+from diloco_jax.config.schema import base_config, use_token_shards
 
 
 def get_config():

@@ -17,7 +17,7 @@ Run (on the TPU VM hosts; 8 learners x 64 chips = 512 chips, e.g. 8 x v5p-128):
   python -m diloco_jax bench step --config configs/b12.py --devices 64
 """
 
-from diloco_jax.config import base_config, use_token_shards
+from diloco_jax.config.schema import base_config, use_token_shards
 
 
 def get_config():

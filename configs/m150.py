@@ -18,7 +18,7 @@ Run (on the TPU VM hosts; 8 learners x 4 chips = 32 chips, e.g. v5p-64):
   python -m diloco_jax bench step --config configs/m150.py --devices 4
 """
 
-from diloco_jax.config import base_config, use_token_shards
+from diloco_jax.config.schema import base_config, use_token_shards
 
 
 def get_config():

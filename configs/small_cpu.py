@@ -10,7 +10,7 @@ Run (on a CPU-only machine the commands give themselves the fake CPU devices the
   python -m diloco_jax bench step --config configs/small_cpu.py --steps 20
 """
 
-from diloco_jax.config import base_config
+from diloco_jax.config.schema import base_config
 
 
 def get_config():

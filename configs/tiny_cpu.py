@@ -5,7 +5,7 @@ Run:
   python -m diloco_jax baseline --config configs/tiny_cpu.py --workdir runs/tiny_dp
 """
 
-from diloco_jax.config import base_config
+from diloco_jax.config.schema import base_config
 
 
 def get_config():

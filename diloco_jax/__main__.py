@@ -26,22 +26,22 @@ import sys
 from diloco_jax import subcommands
 
 COMMANDS = {
-    "train": "diloco_jax.inprocess",
-    "baseline": "diloco_jax.baseline",
+    "train": "diloco_jax.runs.inprocess",
+    "baseline": "diloco_jax.runs.baseline",
     "syncer": "diloco_jax.syncer.app",
     "learner": "diloco_jax.learner.process",
-    "local": "diloco_jax.launch_local",
+    "local": "diloco_jax.runs.local",
     "evaluator": "diloco_jax.evaluator.process",
-    "status": "diloco_jax.status",
-    "plot": "diloco_jax.plot",
-    "chaos": "diloco_jax.chaos",
-    "sim": "diloco_jax.sim.cli",
-    "bench": "diloco_jax.bench.cli",
-    "tokenizer": "diloco_jax.tokenizer",
-    "tokenize": "diloco_jax.shards",
-    "export": "diloco_jax.export",
-    "eval": "diloco_jax.evaluate",
-    "sample": "diloco_jax.sample",
+    "status": "diloco_jax.tools.status",
+    "plot": "diloco_jax.runs.plots",
+    "chaos": "diloco_jax.tools.chaos",
+    "sim": "diloco_jax.tools.sim.cli",
+    "bench": "diloco_jax.tools.bench.cli",
+    "tokenizer": "diloco_jax.data.tokenizer",
+    "tokenize": "diloco_jax.data.shards",
+    "export": "diloco_jax.runs.export",
+    "eval": "diloco_jax.tools.evaluate",
+    "sample": "diloco_jax.tools.sample",
 }
 
 

@@ -106,8 +106,8 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
   """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
   the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
   # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
-  from diloco_jax import config as config_lib
-  from diloco_jax import data as data_lib
+  from diloco_jax.config import schema as config_lib
+  from diloco_jax.data import pipeline as data_lib
 
   try:
     config_lib.validate(config, num_devices, learners=learners)
@@ -123,9 +123,9 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
 def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
-  from diloco_jax import config as config_lib  # lazy, as in `validated`
-  from diloco_jax import fragments
-  from diloco_jax import model
+  from diloco_jax.config import schema as config_lib  # lazy, as in `validated`
+  from diloco_jax.outer import fragments
+  from diloco_jax.compute import model
 
   try:
     fragments.plan_for_config(model.abstract_params(config.model), config)

@@ -3,7 +3,7 @@
 #
 #   launch/local.sh [--config configs/tiny_cpu.py] [--learners 2] [--workdir runs/local] [--config.x=y ...]
 #
-# A thin wrapper around `python -m diloco_jax local` (diloco_jax/launch_local.py), which does the work:
+# A thin wrapper around `python -m diloco_jax local` (diloco_jax/runs/local.py), which does the work:
 # run token, syncer, learners, per-process logs in WORKDIR/logs, progress, WORKDIR/summary.json.
 # Ctrl-C stops every process cleanly. Uses .venv/bin/python if present (make test creates it).
 set -euo pipefail

@@ -18,14 +18,14 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from diloco_jax import codec as codec_lib
-from diloco_jax import launch_local
-from diloco_jax import shards
-from diloco_jax import tokenizer
-from diloco_jax.protocol import Push
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.runs import local as launch_local
+from diloco_jax.data import shards
+from diloco_jax.data import tokenizer
+from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore, SyncerSettings
-from diloco_jax.syncer.policy import QuorumPolicy
-from diloco_jax.transports.grpc import GrpcTransport
+from diloco_jax.syncer.rules.quorum import QuorumPolicy
+from diloco_jax.transports.grpc_client import GrpcTransport
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FP = "fp-test"

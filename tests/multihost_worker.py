@@ -18,8 +18,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from diloco_jax import mesh as mesh_lib  # noqa: E402
-from diloco_jax import multihost  # noqa: E402
+from diloco_jax.compute import mesh as mesh_lib  # noqa: E402
+from diloco_jax.compute import multihost  # noqa: E402
 
 spec = multihost.DistributedSpec(f"127.0.0.1:{port}", 2, process_id)
 spec.validate()

@@ -2,7 +2,7 @@
 
 import json
 
-from diloco_jax.bench import syncer as bench_syncer
+from diloco_jax.tools.bench import syncer as bench_syncer
 
 
 def test_fused_and_unfused_paths_agree():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_jax.bench import wan
+from diloco_jax.tools.bench import wan
 
 
 def test_modes_differ_only_in_schedule(tiny_config):

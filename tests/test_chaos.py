@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import chaos
-from diloco_jax import launch_local
-from diloco_jax.bench import chaos as bench_chaos
-from diloco_jax.sim import goodput as sim_goodput
+from diloco_jax.tools import chaos
+from diloco_jax.runs import local as launch_local
+from diloco_jax.tools.bench import chaos as bench_chaos
+from diloco_jax.tools.sim import goodput as sim_goodput
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from diloco_jax import codec
+from diloco_jax.outer import codec
 
 
 def vectors():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import codec
+from diloco_jax.outer import codec
 from diloco_jax.learner.comms import Comms
 from diloco_jax.transports.inprocess import InProcessTransport
 

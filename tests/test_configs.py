@@ -13,10 +13,10 @@ import pytest
 
 import helpers
 
-from diloco_jax import config as config_lib
-from diloco_jax import fragments
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments
+from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.compute import model as model_lib
 
 REPO = helpers.REPO
 CONFIG_FILES = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")

@@ -1,4 +1,4 @@
-"""Tests for diloco_jax.data: corpus loading and split, packing, shards, checkpointable iterators."""
+"""Tests for diloco_jax.data.pipeline: corpus loading and split, packing, shards, checkpointable iterators."""
 
 import collections
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from diloco_jax import config as config_lib
-from diloco_jax import data
+from diloco_jax.config import schema as config_lib
+from diloco_jax.data import pipeline as data
 
 MAX_BYTES = 300_000  # a slice of the embedded corpus: large enough for real shards, fast to read
 

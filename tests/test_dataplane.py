@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import wire
-from diloco_jax.proto import diloco_pb2 as pb
-from diloco_jax.protocol import Rejected
-from diloco_jax.syncer import dataplane, service
-from diloco_jax.transports import grpc as grpc_transport
+from diloco_jax.protocol import wire
+from diloco_jax.protocol.proto import diloco_pb2 as pb
+from diloco_jax.protocol.messages import Rejected
+from diloco_jax.syncer.server import dataplane
+from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "data-plane-token-0123"
 FP = helpers.FP

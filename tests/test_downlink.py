@@ -13,9 +13,9 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
-from diloco_jax import codec
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import inprocess
+from diloco_jax.outer import codec
+from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.runs import inprocess
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import checkpoint
 

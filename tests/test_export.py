@@ -15,14 +15,14 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
-from diloco_jax import baseline
-from diloco_jax import evaluate
-from diloco_jax import export
-from diloco_jax import inner
-from diloco_jax import inprocess
-from diloco_jax import launch_local
-from diloco_jax import model as model_lib
-from diloco_jax import sample
+from diloco_jax.runs import baseline
+from diloco_jax.tools import evaluate
+from diloco_jax.runs import export
+from diloco_jax.compute import inner
+from diloco_jax.runs import inprocess
+from diloco_jax.runs import local as launch_local
+from diloco_jax.compute import model as model_lib
+from diloco_jax.tools import sample
 
 STEPS = 10
 SHORT = {"train.steps": STEPS, "train.eval_every": STEPS, "train.warmup_steps": 2, "outer.sync_every": 5}

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import codec as codec_lib
-from diloco_jax import wire
-from diloco_jax.proto import diloco_pb2 as pb
-from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
-from diloco_jax.protocol import PushReceipt, Rejected
-from diloco_jax.syncer import auth
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.protocol import wire
+from diloco_jax.protocol.proto import diloco_pb2 as pb
+from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
+from diloco_jax.protocol.messages import PushReceipt, Rejected
+from diloco_jax.syncer.server import auth
 from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer import service
-from diloco_jax.transports import grpc as grpc_transport
+from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "test-token-0123456789"
 FP = helpers.FP

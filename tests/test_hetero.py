@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import config as config_lib
-from diloco_jax import inprocess
+from diloco_jax.config import schema as config_lib
+from diloco_jax.runs import inprocess
 from diloco_jax import metrics as metrics_lib
-from diloco_jax import outer
-from diloco_jax.bench import hetero as bench_hetero
+from diloco_jax.outer import merge as outer
+from diloco_jax.tools.bench import hetero as bench_hetero
 from diloco_jax.learner import pace
-from diloco_jax.syncer import policy
-from diloco_jax.syncer.policy import QuorumPolicy
+from diloco_jax.syncer.rules import quorum as policy
+from diloco_jax.syncer.rules.quorum import QuorumPolicy
 
 FP = helpers.FP
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import config as config_lib
-from diloco_jax.proto import diloco_pb2 as pb
-from diloco_jax.proto import diloco_pb2_grpc as pb_grpc
-from diloco_jax.protocol import OBSERVER_ID, Rejected
-from diloco_jax.syncer import service
-from diloco_jax.transports import grpc as grpc_transport
+from diloco_jax.config import schema as config_lib
+from diloco_jax.protocol.proto import diloco_pb2 as pb
+from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
+from diloco_jax.protocol.messages import OBSERVER_ID, Rejected
+from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "hostile-token-0123456789"
 FP = helpers.FP

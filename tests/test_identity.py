@@ -14,11 +14,11 @@ the inner optimizer's or the outer loop's, never the plumbing's.
 import jax
 import numpy as np
 
-from diloco_jax import baseline
-from diloco_jax import config as config_lib
-from diloco_jax import inprocess
+from diloco_jax.runs import baseline
+from diloco_jax.config import schema as config_lib
+from diloco_jax.runs import inprocess
 from diloco_jax import metrics
-from diloco_jax import trainer as trainer_lib
+from diloco_jax.compute import trainer as trainer_lib
 
 
 def _averaging_every_step(c, optimizer: str):

@@ -57,14 +57,14 @@ def _closure(module: str) -> set[str]:
 RULES = [
     ("diloco_jax.learner", "diloco_jax.syncer", "a learner knows the syncer only through protocol + transports"),
     ("diloco_jax.transports", "diloco_jax.syncer", "transports carry protocol messages, not syncer internals"),
-    ("diloco_jax.protocol", "diloco_jax.syncer", "the protocol sits between both sides"),
-    ("diloco_jax.protocol", "diloco_jax.learner", "the protocol sits between both sides"),
+    ("diloco_jax.protocol.messages", "diloco_jax.syncer", "the protocol sits between both sides"),
+    ("diloco_jax.protocol.messages", "diloco_jax.learner", "the protocol sits between both sides"),
     ("diloco_jax.syncer.core", "grpc", "the core knows no transport"),
-    ("diloco_jax.syncer.core", "diloco_jax.proto", "the core knows no transport"),
+    ("diloco_jax.syncer.core", "diloco_jax.protocol.proto", "the core knows no transport"),
     ("diloco_jax.syncer.core", "diloco_jax.transports", "the core knows no transport"),
-    ("diloco_jax.syncer.core", "diloco_jax.model", "the core knows no model"),
-    ("diloco_jax.syncer.downlink", "diloco_jax.model", "the core knows no model"),
-    ("diloco_jax.syncer.policy", "diloco_jax", "the policy is pure arithmetic, shared with the simulator"),
+    ("diloco_jax.syncer.core", "diloco_jax.compute.model", "the core knows no model"),
+    ("diloco_jax.syncer.downlink", "diloco_jax.compute.model", "the core knows no model"),
+    ("diloco_jax.syncer.rules.quorum", "diloco_jax", "the policy is pure arithmetic, shared with the simulator"),
     ("diloco_jax.evaluator", "diloco_jax.syncer", "the evaluator is an observer: it knows the syncer only "
      "through protocol + transports"),
     ("diloco_jax.evaluator.loop", "grpc", "the evaluator's loop runs in process too (train), without grpc"),
@@ -80,23 +80,23 @@ def test_direct_imports_follow_the_rules(importer, forbidden, why):
 
 
 def test_the_in_process_run_never_reaches_the_grpc_service():
-  reached = _closure("diloco_jax.inprocess")
-  assert not {m for m in reached if _under(m, "grpc") or _under(m, "diloco_jax.syncer.service")
-              or _under(m, "diloco_jax.transports.grpc") or _under(m, "diloco_jax.proto.diloco_pb2")}, sorted(reached)
+  reached = _closure("diloco_jax.runs.inprocess")
+  assert not {m for m in reached if _under(m, "grpc") or _under(m, "diloco_jax.syncer.server.grpc_service")
+              or _under(m, "diloco_jax.transports.grpc_client") or _under(m, "diloco_jax.protocol.proto.diloco_pb2")}, sorted(reached)
   # And on a real interpreter (nothing third-party pulls grpc in either).
-  code = ("import sys, diloco_jax.inprocess; "
-          "bad = [m for m in sys.modules if m.split('.')[0] == 'grpc' or m.startswith('diloco_jax.proto.')]; "
+  code = ("import sys, diloco_jax.runs.inprocess; "
+          "bad = [m for m in sys.modules if m.split('.')[0] == 'grpc' or m.startswith('diloco_jax.protocol.proto.')]; "
           "assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, check=True, timeout=120)
 
 
 def test_the_syncer_core_reaches_no_transport_and_no_model():
   reached = _closure("diloco_jax.syncer.core")
-  assert not {m for m in reached if _under(m, "grpc") or _under(m, "diloco_jax.model")
+  assert not {m for m in reached if _under(m, "grpc") or _under(m, "diloco_jax.compute.model")
               or _under(m, "diloco_jax.transports") or _under(m, "diloco_jax.learner")}, sorted(reached)
 
 
 def test_the_graph_is_read_from_the_real_package():
   # The rules above would pass vacuously on an empty or misparsed graph.
-  assert "diloco_jax.syncer.core" in GRAPH and "diloco_jax.protocol" in GRAPH["diloco_jax.syncer.core"]
-  assert "diloco_jax.transports.grpc" in GRAPH["diloco_jax.learner.process"]
+  assert "diloco_jax.syncer.core" in GRAPH and "diloco_jax.protocol.messages" in GRAPH["diloco_jax.syncer.core"]
+  assert "diloco_jax.transports.grpc_client" in GRAPH["diloco_jax.learner.process"]

@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import config as config_lib
-from diloco_jax import data
-from diloco_jax import inner
+from diloco_jax.config import schema as config_lib
+from diloco_jax.data import pipeline as data
+from diloco_jax.compute import inner
 
 
 def test_learners_inner_overrides_train_field_by_field(tiny_config):

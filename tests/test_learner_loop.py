@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import inprocess
-from diloco_jax import trainer as trainer_lib
+from diloco_jax.runs import inprocess
+from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import loop as loop_lib
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import config as config_lib
-from diloco_jax import fragments
-from diloco_jax.protocol import Rejected
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments
+from diloco_jax.protocol.messages import Rejected
 from diloco_jax.syncer import core as core_lib
 
 FP = helpers.FP

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
+from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.compute import model as model_lib
 
 
 def _mesh_2x4(config):

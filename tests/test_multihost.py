@@ -19,12 +19,12 @@ import pytest
 from absl import flags
 
 import helpers
-from diloco_jax import chaos
-from diloco_jax import checkpoint as checkpoint_lib
+from diloco_jax.tools import chaos
+from diloco_jax.compute import checkpoint as checkpoint_lib
 from diloco_jax import cli
-from diloco_jax import launch_local
-from diloco_jax import model as model_lib
-from diloco_jax import multihost
+from diloco_jax.runs import local as launch_local
+from diloco_jax.compute import model as model_lib
+from diloco_jax.compute import multihost
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer.ticker import Ticker

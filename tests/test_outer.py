@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import codec, outer
+from diloco_jax.outer import codec
+from diloco_jax.outer import merge as outer
 
 
 def test_outer_gradient():

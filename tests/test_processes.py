@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 import helpers
-from diloco_jax import chaos
-from diloco_jax import launch_local
+from diloco_jax.tools import chaos
+from diloco_jax.runs import local as launch_local
 
 REPO = helpers.REPO
 TIMEOUT_S = helpers.PROCESS_TIMEOUT_S

@@ -5,9 +5,9 @@ import os
 import pytest
 
 import helpers
-from diloco_jax import protocol
-from diloco_jax.protocol import ProtocolError, Reassembler, chunks
-from diloco_jax.transports.grpc import GrpcTransport
+from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol.messages import ProtocolError, Reassembler, chunks
+from diloco_jax.transports.grpc_client import GrpcTransport
 from diloco_jax.transports.inprocess import InProcessTransport
 
 

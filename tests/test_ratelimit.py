@@ -2,7 +2,7 @@
 
 import math
 
-from diloco_jax.ratelimit import RateLimiter, TokenBucket
+from diloco_jax.protocol.ratelimit import RateLimiter, TokenBucket
 
 
 def test_token_bucket_reserve_goes_into_debt():

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import inprocess
-from diloco_jax import protocol
-from diloco_jax import trainer as trainer_lib
-from diloco_jax.protocol import EpochRecord, Rejected
+from diloco_jax.runs import inprocess
+from diloco_jax.protocol import messages as protocol
+from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.protocol.messages import EpochRecord, Rejected
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.ticker import Ticker

@@ -8,13 +8,13 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from diloco_jax import baseline
-from diloco_jax import config as config_lib
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import inprocess
-from diloco_jax import model as model_lib
-from diloco_jax import plot
-from diloco_jax import trainer as trainer_lib
+from diloco_jax.runs import baseline
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.runs import inprocess
+from diloco_jax.compute import model as model_lib
+from diloco_jax.runs import plots as plot
+from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.syncer import build
 from test_metrics import read_events

@@ -12,11 +12,11 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
-from diloco_jax import export
-from diloco_jax import launch_local
-from diloco_jax import placement
-from diloco_jax import protocol
-from diloco_jax.protocol import Rejected
+from diloco_jax.runs import export
+from diloco_jax.runs import local as launch_local
+from diloco_jax.outer import placement
+from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol.messages import Rejected
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.inprocess import InProcessTransport

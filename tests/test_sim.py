@@ -11,8 +11,8 @@ import pytest
 
 import helpers
 
-from diloco_jax.sim import bandwidth, cli, goodput, plots, rounds
-from diloco_jax.syncer import policy as syncer_policy
+from diloco_jax.tools.sim import bandwidth, cli, goodput, plots, rounds
+from diloco_jax.syncer.rules import quorum as syncer_policy
 
 NEVER_FAILS = 1e12  # years
 REPO = str(helpers.REPO)
@@ -383,7 +383,7 @@ def test_help_names_the_command():
 
 
 def test_sim_does_not_import_jax():
-  code = "import sys; from diloco_jax.sim import cli, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
+  code = "import sys; from diloco_jax.tools.sim import cli, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
   assert out.stdout.strip() == "False", out.stderr
 

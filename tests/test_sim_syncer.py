@@ -13,10 +13,10 @@ import pytest
 
 import helpers
 
-from diloco_jax.sim import cli as sim_cli
-from diloco_jax.sim import sizing
-from diloco_jax.sim import syncer
-from diloco_jax.sim import syncer_cli
+from diloco_jax.tools.sim import cli as sim_cli
+from diloco_jax.tools.sim import sizing
+from diloco_jax.tools.sim import syncer
+from diloco_jax.tools.sim import syncer_cli
 
 REPO = helpers.REPO
 P = sizing.PROCESS_BYTES

@@ -13,12 +13,12 @@ import pytest
 
 import helpers
 
-from diloco_jax import codec as codec_lib
-from diloco_jax import config as config_lib
-from diloco_jax import fragments
-from diloco_jax import model
-from diloco_jax.sim import sizing
-from diloco_jax.sim import syncer_cli
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments
+from diloco_jax.compute import model
+from diloco_jax.tools.sim import sizing
+from diloco_jax.tools.sim import syncer_cli
 
 REPO = helpers.REPO
 MiB = 2**20

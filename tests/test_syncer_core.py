@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import codec, outer
-from diloco_jax import config as config_lib
-from diloco_jax import fragments
-from diloco_jax.protocol import Push, Rejected, Transport
+from diloco_jax.outer import codec
+from diloco_jax.outer import merge as outer
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments
+from diloco_jax.protocol.messages import Push, Rejected, Transport
 from diloco_jax.syncer import core as core_lib
-from diloco_jax.syncer.policy import QuorumPolicy, grace_window_s, round_close_time
+from diloco_jax.syncer.rules.quorum import QuorumPolicy, grace_window_s, round_close_time
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax import config as config_lib
-from diloco_jax import data
-from diloco_jax import shards
-from diloco_jax import tokenizer
+from diloco_jax.config import schema as config_lib
+from diloco_jax.data import pipeline as data
+from diloco_jax.data import shards
+from diloco_jax.data import tokenizer
 
 TRICKY = "def f(x):\n\tif x:\r\n        return 'é漢字🙂'   # trailing  \n\n\n  \x00\x7f\u2028end"
 

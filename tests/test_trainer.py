@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from diloco_jax import baseline
+from diloco_jax.runs import baseline
 from diloco_jax import metrics
 
 

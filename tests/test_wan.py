@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.syncer import service
+from diloco_jax.syncer.server import grpc_service as service
 from diloco_jax.transports import wan as wan_lib
-from diloco_jax.transports.grpc import GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.grpc_client import GrpcTransport, SyncerUnreachable
 
 TOKEN = "wan-test-token"
 

@@ -32,14 +32,14 @@ from typing import Any, Protocol, Sequence
 import jax
 import numpy as np
 
-from diloco_jax import codec as codec_lib
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import inner
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
-from diloco_jax import outer as outer_lib
-from diloco_jax import trainer as trainer_lib
-from diloco_jax.protocol import Transport
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.compute import inner
+from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.compute import model as model_lib
+from diloco_jax.outer import merge as outer_lib
+from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.protocol.messages import Transport
 
 log = logging.getLogger(__name__)
 

@@ -31,14 +31,14 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax import config as config_lib
+from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax import placement
-from diloco_jax import protocol
+from diloco_jax.outer import placement
+from diloco_jax.protocol import messages as protocol
 from diloco_jax.evaluator import loop
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.grpc_client import AuthError, GrpcTransport, SyncerUnreachable
 
 EXIT_FAILED = 1
 

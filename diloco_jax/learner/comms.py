@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import REJOIN_REASONS, Published, Push, PushReceipt, Rejected, Transport, Versions
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.protocol.messages import REJOIN_REASONS, Published, Push, PushReceipt, Rejected, Transport, Versions
 
 log = logging.getLogger(__name__)
 

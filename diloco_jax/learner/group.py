@@ -32,7 +32,7 @@ import time
 
 import jax
 
-from diloco_jax import multihost
+from diloco_jax.compute import multihost
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.learner.comms import SyncResult
 

@@ -64,11 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import config as config_lib
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import protocol
-from diloco_jax import trainer as trainer_lib
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.protocol import messages as protocol
+from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner.comms import Comms, SyncResult
 from diloco_jax.learner.pace import StepPacer
 

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from diloco_jax import config as config_lib
+from diloco_jax.config import schema as config_lib
 
 _MEDIAN_WINDOW = 32  # measured steps behind the step_s = 0 estimate
 

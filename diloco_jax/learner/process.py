@@ -58,16 +58,16 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax import config as config_lib
+from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax import multihost
-from diloco_jax import placement
-from diloco_jax import protocol
+from diloco_jax.compute import multihost
+from diloco_jax.outer import placement
+from diloco_jax.protocol import messages as protocol
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc import AuthError, GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.grpc_client import AuthError, GrpcTransport, SyncerUnreachable
 
 EXIT_FAILED = 1
 

@@ -32,15 +32,15 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax import config as config_lib
+from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax import protocol
+from diloco_jax.protocol import messages as protocol
 from diloco_jax.syncer import checkpoint
-from diloco_jax.syncer.auth import TlsConfig, check_bind
+from diloco_jax.syncer.server.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.monitor import SyncerMonitor
-from diloco_jax.syncer.service import Limits, serve, workers_for
+from diloco_jax.syncer.server.grpc_service import Limits, serve, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)

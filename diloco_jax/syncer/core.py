@@ -130,13 +130,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from diloco_jax import chunked
-from diloco_jax import codec as codec_lib
-from diloco_jax import config as config_lib
-from diloco_jax import outer
-from diloco_jax.protocol import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
+from diloco_jax.outer import chunked
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.config import schema as config_lib
+from diloco_jax.outer import merge as outer
+from diloco_jax.protocol.messages import REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Versions, shorten
 from diloco_jax.syncer.downlink import Downlink, new_epoch
-from diloco_jax.syncer.policy import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
+from diloco_jax.syncer.rules.quorum import QuorumPolicy, effective_quorum, estimate_step_time, round_grace_s
 
 log = logging.getLogger(__name__)
 

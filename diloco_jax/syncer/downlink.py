@@ -46,8 +46,8 @@ from typing import Sequence
 
 import numpy as np
 
-from diloco_jax import codec as codec_lib
-from diloco_jax.protocol import BufferPool, Published
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.protocol.messages import BufferPool, Published
 
 ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one costs its page faults)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax import protocol
+from diloco_jax.protocol import messages as protocol
 from diloco_jax.transports import sharded
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from diloco_jax.protocol import Published, Push, PushReceipt, SyncerAPI
+from diloco_jax.protocol.messages import Published, Push, PushReceipt, SyncerAPI
 
 
 class InProcessTransport:

@@ -33,8 +33,7 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-from diloco_jax.protocol import (REJOIN_REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Transport,
-                                 Versions)
+from diloco_jax.protocol.messages import (REJOIN_REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Transport, Versions)
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable
 
-from diloco_jax.ratelimit import TokenBucket
+from diloco_jax.protocol.ratelimit import TokenBucket
 
 
 @dataclasses.dataclass(frozen=True)

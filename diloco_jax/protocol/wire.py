@@ -1,0 +1,141 @@
+"""The raw-TCP data plane's framing: how Push and Pull payloads cross beside the gRPC control plane.
+
+Python gRPC moves a fragment at a fraction of a socket's rate (its per-message work and copies; see
+docs/benchmarks.md, "Transport"), so the syncer also listens on a plain TCP port (TLS when the service
+has TLS) that carries only payloads, each transfer on its own connection:
+
+    server -> client   HELLO   magic b"DLCD", version (1 byte), nonce (32 random bytes)
+    client -> server   AUTH    HMAC-SHA256(run token, nonce) (32 bytes), op (b"P" push / b"G" pull),
+                               header length (u32), header: a PushHeader / PullRequest protobuf
+    push:  client -> server    the payload: exactly PushHeader.total_size bytes
+           server -> client    REPLY (below) with a PushResponse
+    pull:  server -> client    REPLY with a PullHeader; if found, PullHeader.total_size payload bytes
+
+    REPLY   status (1 byte: 0 ok, 1 refused), body length (u32), body: the protobuf (ok) or UTF-8 JSON
+            {"reason", "message"} (refused; the reason is one of protocol.REASONS or a service reason)
+
+All integers little-endian. The token never crosses (only an HMAC of a fresh nonce, compared in constant
+time), a header or reply body is at most `MAX_HEADER_BYTES`, and payloads are read through
+`protocol.Reassembler` against a declared size that the receiver bounds first: memory grows with what
+arrives. Both ends time out every read. The gRPC service decides as for its own calls (the same core,
+limits, counters and refusals); this module is only the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+
+from diloco_jax.protocol.messages import BufferPool, ProtocolError, Reassembler
+
+MAGIC = b"DLCD"
+VERSION = 1
+NONCE_BYTES = 32
+MAC_BYTES = 32
+HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
+MAX_HEADER_BYTES = 64 << 10
+OP_PUSH, OP_PULL = b"P", b"G"
+OK, REFUSED = 0, 1
+IO_CHUNK = 1 << 20  # bytes per socket read or write (and per WAN pacing step)
+
+
+class WireError(ConnectionError):
+  """A data-plane stream that breaks the framing, fails authentication, or ends early."""
+
+
+def hello(nonce: bytes) -> bytes:
+  return MAGIC + bytes([VERSION]) + nonce
+
+
+def parse_hello(data: bytes) -> bytes:
+  """The nonce of a HELLO (WireError if it is not one)."""
+  if len(data) != HELLO_BYTES or data[:4] != MAGIC or data[4] != VERSION:
+    raise WireError("not a diloco data-plane server (bad hello)")
+  return data[5:]
+
+
+def mac(token: str, nonce: bytes) -> bytes:
+  """The client's proof of the run token for this connection."""
+  return hmac.new(token.encode(), b"diloco-data-plane:" + nonce, hashlib.sha256).digest()
+
+
+def request(token: str, nonce: bytes, op: bytes, header: bytes) -> bytes:
+  """AUTH + op + the header, as one write."""
+  if op not in (OP_PUSH, OP_PULL) or len(header) > MAX_HEADER_BYTES:
+    raise ValueError(f"bad data-plane request: op {op!r}, header of {len(header)} bytes")
+  return mac(token, nonce) + op + struct.pack("<I", len(header)) + header
+
+
+def reply(status: int, body: bytes) -> bytes:
+  return bytes([status]) + struct.pack("<I", len(body)) + body
+
+
+def refusal(reason: str, message: str) -> bytes:
+  return reply(REFUSED, json.dumps({"reason": reason, "message": message[:2000]}).encode())
+
+
+def parse_refusal(body: bytes) -> tuple[str, str]:
+  """(reason, message) of a REFUSED reply's body, both bounded."""
+  try:
+    d = json.loads(body.decode())
+    return str(d["reason"])[:64], str(d["message"])[:2000]
+  except (ValueError, KeyError, TypeError):
+    return "protocol", "unreadable refusal"
+
+
+def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+  """Exactly n bytes (n small: a frame's fixed part or a bounded header); WireError if the stream ends."""
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    k = sock.recv_into(view[got:], n - got)
+    if not k:
+      raise WireError(f"connection closed in the {what} ({got} of {n} bytes)")
+    got += k
+  return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, what: str) -> tuple[int, bytes]:
+  """(status, body) of a REPLY, the body at most MAX_HEADER_BYTES."""
+  head = recv_exact(sock, 5, what)
+  status, length = head[0], struct.unpack("<I", head[1:])[0]
+  if status not in (OK, REFUSED) or length > MAX_HEADER_BYTES:
+    raise WireError(f"bad {what}: status {status}, {length} bytes")
+  return status, recv_exact(sock, length, what)
+
+
+def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: None,
+                 pool: BufferPool | None = None) -> bytearray:
+  """`total` bytes (declared by the sender and bounded by the caller) through a Reassembler, which
+  holds only what arrived (or copies into a free buffer of that size from `pool`, which keeps the result
+  for later transfers); `on_chunk(n)` after each read (byte counts, WAN pacing)."""
+  into = pool.take(total) if pool is not None else None
+  payload = Reassembler(total, what, into=into)
+  buf = bytearray(min(IO_CHUNK, max(total, 1)))
+  view = memoryview(buf)
+  while payload.received < total:
+    k = sock.recv_into(view, min(len(buf), total - payload.received))
+    if not k:
+      raise WireError(f"connection closed in the {what} ({payload.received} of {total} bytes)")
+    on_chunk(k)
+    try:
+      payload.add(payload.received, view[:k])
+    except ProtocolError as e:  # cannot happen with in-order reads; kept as the one place that checks
+      raise WireError(str(e)) from None
+  out = payload.finish(copy=False)  # a bytearray: nobody else holds it
+  if pool is not None:
+    pool.adopt(out)
+  return out
+
+
+def send_payload(sock: socket.socket, payload, before_chunk=lambda n: None) -> None:
+  """`payload` in IO_CHUNK pieces, `before_chunk(n)` ahead of each (WAN pacing, byte counts)."""
+  view = memoryview(payload).cast("B")
+  for offset in range(0, len(view), IO_CHUNK):
+    piece = view[offset:offset + IO_CHUNK]
+    before_chunk(len(piece))
+    sock.sendall(piece)

@@ -1,0 +1,264 @@
+"""The syncer's raw-TCP data plane (framing: `wire.py`): Push and Pull payloads at socket speed, beside the
+gRPC service, which stays the control plane (join, leave, heartbeat, status) and the fallback.
+
+Every decision is the gRPC servicer's: the same core, limits (largest push, long-poll cap, call rate per
+caller, pushes and pulls in flight per caller), fingerprint check, learner-id bounds (observers, whose id
+is `protocol.OBSERVER_ID`, may pull) and counters (`SyncerServicer`); a push's header is the gRPC
+PushHeader, idempotency key included, so a push retried over gRPC after its data-plane reply was lost is
+merged once. The core's refusals travel back with their reason.
+
+Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
+its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
+spends its own budget), with slots of this plane's own (`admission.Slots`: at most
+`Limits.pushes_per_caller` pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads
+are bounded by `max_connections`).
+
+What this shell adds is the care a listening socket needs: the run token proven per connection (HMAC of
+a fresh nonce, constant-time compare), TLS when the service has it (the same certificate, and client
+certificates with mutual TLS), at most `max_connections` connections at once (more are closed at once), a
+timeout on every read (`io_timeout_s`: the service's `stream_stall_s`) and a deadline per transfer
+(`transfer_timeout_s`: its `stream_deadline_s`, a pull's long-poll not counted), so slow senders cannot
+hold a thread; a pull's long-poll ends when its client closes the connection; bounded headers, declared
+sizes checked before a byte is read, and payload memory that grows only with what arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import secrets
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+
+from google.protobuf.message import DecodeError
+
+from diloco_jax.protocol import wire
+from diloco_jax.protocol.messages import OBSERVER_ID, Push, Rejected
+from diloco_jax.protocol.proto import diloco_pb2 as pb
+from diloco_jax.syncer.server.slots import Busy, Slots
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPlaneLimits:
+  max_connections: int = 64
+  pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`wire.BufferPool`)
+  io_timeout_s: float = 10.0  # one read or write (the service's stream_stall_s)
+  transfer_timeout_s: float = 600.0  # one whole transfer, a pull's long-poll not counted (stream_deadline_s)
+  pull_poll_s: float = 1.0  # a pull's long-poll checks this often whether its client went away
+
+  @classmethod
+  def from_service(cls, limits) -> "DataPlaneLimits":
+    """The data plane's limits from the gRPC service's `Limits`: the same stall and deadline."""
+    return cls(io_timeout_s=float(limits.stream_stall_s), transfer_timeout_s=float(limits.stream_deadline_s))
+
+
+class DataPlaneServer:
+  """Listens on `host:port` (0: any free port) and serves transfers for `servicer` (a SyncerServicer)."""
+
+  def __init__(self, servicer, token: str, host: str = "127.0.0.1", port: int = 0, *, tls=None,
+               limits: DataPlaneLimits = DataPlaneLimits()):
+    if not token:
+      raise ValueError("the data plane needs the run token")
+    self.servicer, self._token, self.limits = servicer, token, limits
+    self._ssl = None
+    if tls is not None:
+      ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+      ctx.load_cert_chain(tls.cert, tls.key)
+      if tls.client_ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(tls.client_ca)
+      self._ssl = ctx
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self._sock = socket.socket(family, socket.SOCK_STREAM)
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self._sock.bind((host, port))
+    self._sock.listen(limits.max_connections)
+    self._sock.settimeout(0.5)  # the accept loop checks for stop this often
+    self.port = self._sock.getsockname()[1]
+    self._slots = threading.BoundedSemaphore(limits.max_connections)
+    service_limits = servicer.limits
+    self._push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
+    self._pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
+    self._pool = wire.BufferPool(limits.pool_bytes)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="syncer-data-plane")
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join(5.0)
+    self._sock.close()
+
+  def _accept_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except (socket.timeout, TimeoutError):
+        continue
+      except OSError:
+        if self._stop.is_set():
+          return
+        continue
+      if not self._slots.acquire(blocking=False):
+        self.servicer._count("data_refused_busy")
+        conn.close()
+        continue
+      threading.Thread(target=self._serve, args=(conn,), daemon=True, name="syncer-data").start()
+
+  def _serve(self, conn: socket.socket) -> None:
+    try:
+      conn.settimeout(self.limits.io_timeout_s)
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      host = conn.getpeername()[0]
+      if self._ssl is not None:
+        conn = self._ssl.wrap_socket(conn, server_side=True)
+      self._transfer(conn, host, time.monotonic() + self.limits.transfer_timeout_s)
+    except (OSError, wire.WireError, ssl.SSLError) as e:  # a peer that went away or broke the framing
+      log.info("data plane: connection dropped: %s", e)
+      self.servicer._count("data_dropped")
+    except Exception:  # noqa: BLE001 - a bug must not take the listener down
+      log.exception("data plane: transfer failed")
+    finally:
+      try:
+        conn.close()
+      finally:
+        self._slots.release()
+
+  def _transfer(self, conn, host: str, deadline: float) -> None:
+    nonce = secrets.token_bytes(wire.NONCE_BYTES)
+    conn.sendall(wire.hello(nonce))
+    head = wire.recv_exact(conn, wire.MAC_BYTES + 1 + 4, "request")
+    if not hmac.compare_digest(head[:wire.MAC_BYTES], wire.mac(self._token, nonce)):
+      self.servicer._count("refused_unauthenticated")
+      conn.sendall(wire.refusal("unauthenticated", "invalid run token"))
+      return
+    op, length = head[wire.MAC_BYTES:wire.MAC_BYTES + 1], struct.unpack("<I", head[-4:])[0]
+    if op not in (wire.OP_PUSH, wire.OP_PULL) or length > wire.MAX_HEADER_BYTES:
+      conn.sendall(wire.refusal("protocol", f"bad request: op {op!r}, header of {length} bytes"))
+      return
+    header = wire.recv_exact(conn, length, "request header")
+    try:
+      if op == wire.OP_PUSH:
+        self._push(conn, host, header, deadline)
+      else:
+        self._pull(conn, host, header, deadline)
+    except Rejected as e:
+      conn.sendall(wire.refusal(e.reason, e.message))
+    except Busy as e:
+      self.servicer._count("data_refused_busy")
+      conn.sendall(wire.refusal(e.reason, str(e)))
+    except DecodeError as e:
+      self.servicer._count("data_refused_protocol")
+      conn.sendall(wire.refusal("protocol", f"unreadable request header: {e}"))
+    except _Refusal as e:
+      self.servicer._count(f"data_refused_{e.reason}")
+      conn.sendall(wire.refusal(e.reason, e.message))
+
+  def _admit(self, caller) -> None:
+    if not self.servicer._rate.allow(caller):
+      raise _Refusal("rate_limit", f"learner {caller[1]} from {caller[0]} exceeds "
+                     f"{self.servicer.limits.rate_per_s:g} calls/s")
+
+  def _push(self, conn, host: str, header: bytes, deadline: float) -> None:
+    h = pb.PushHeader.FromString(header)
+    caller = (f"data:{host}", h.learner_id)
+    self._admit(caller)
+    total = int(h.total_size)
+    if total > self.servicer._max_push_bytes:
+      raise _Refusal("oversize", f"declared payload of {total} bytes exceeds the limit of "
+                     f"{self.servicer._max_push_bytes}")
+    self._push_slots.acquire(caller)
+    try:
+      payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
+      push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
+                  base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec, payload=payload,
+                  checksum=h.checksum, incarnation=h.incarnation, sequence=h.sequence, base_epoch=h.base_epoch)
+      receipt = self.servicer.core.push(push)
+    finally:
+      self._push_slots.release(caller)
+    self.servicer._count("pushes")
+    self.servicer._count("push_bytes", total)
+    self.servicer._count("data_pushes")
+    response = pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
+                               epoch=receipt.epoch, version=receipt.version)
+    conn.sendall(wire.reply(wire.OK, response.SerializeToString()))
+
+  def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:
+    r = pb.PullRequest.FromString(header)
+    caller = (f"data:{host}", r.learner_id)
+    self._admit(caller)
+    try:
+      self.servicer._check_fingerprint(r.fingerprint)
+    except Exception as e:  # the servicer's refusal (`_Abort`): same reason, same words
+      raise _Refusal(getattr(e, "reason", "fingerprint"), getattr(e, "message", str(e))) from None
+    if r.learner_id != OBSERVER_ID:  # observers (the global model's evaluator) pull, never join
+      self.servicer.core.check_learner_id(r.learner_id)
+    timeout = float(r.timeout_s)
+    if not (timeout >= 0 and timeout < float("inf")):
+      raise _Refusal("protocol", f"timeout_s must be finite and >= 0, got {timeout}")
+    timeout = min(timeout, self.servicer.limits.max_pull_wait_s)
+    have_version = r.have_version if r.HasField("have_version") else -1
+    have_epoch = r.have_epoch if r.HasField("have_epoch") else 0
+    self._pull_slots.acquire(caller)
+    try:
+      published = self._long_poll(conn, r, timeout, have_version, have_epoch)
+      if published is not None or not _gone(conn):
+        self._answer(conn, r, published, deadline)
+    finally:
+      self._pull_slots.release(caller)
+
+  def _long_poll(self, conn, r, timeout: float, have_version: int, have_epoch: int):
+    """The core's answer within `timeout`, waited for in slices: a client that closed its connection
+    frees this thread within `pull_poll_s`."""
+    give_up = time.monotonic() + timeout
+    published = self.servicer.core.pull(r.fragment, r.min_version, 0.0, have_version, have_epoch)
+    while published is None:
+      left = give_up - time.monotonic()
+      if left <= 0 or _gone(conn):
+        return None
+      published = self.servicer.core.pull(r.fragment, r.min_version, min(left, self.limits.pull_poll_s),
+                                          have_version, have_epoch)
+    return published
+
+  def _answer(self, conn, r, published, deadline: float) -> None:
+    if published is None:
+      conn.sendall(wire.reply(wire.OK, pb.PullHeader(found=False, fragment=r.fragment,
+                                                       epoch=self.servicer.core.epoch).SerializeToString()))
+      return
+    h = pb.PullHeader(found=True, fragment=published.fragment, version=published.version, codec=published.codec,
+                      checksum=published.checksum, total_size=len(published.payload), epoch=published.epoch)
+    if published.kind == "delta":
+      h.kind, h.base_version = "delta", published.base_version
+    self.servicer._count("pulls")
+    self.servicer._count("pull_bytes", len(published.payload))
+    self.servicer._count("data_pulls")
+    conn.sendall(wire.reply(wire.OK, h.SerializeToString()))
+    deadline = max(deadline, time.monotonic() + self.limits.transfer_timeout_s)  # the long-poll is not sending
+    wire.send_payload(conn, published.payload, lambda n: _check_deadline(deadline))
+
+
+class _Refusal(Exception):
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self.reason, self.message = reason, message
+
+
+def _check_deadline(deadline: float) -> None:
+  if time.monotonic() > deadline:
+    raise wire.WireError("transfer deadline passed")
+
+
+def _gone(conn) -> bool:
+  """Whether a waiting pull's client closed its connection: an honest client sends nothing after its
+  request, so a readable socket (end of stream, or bytes it had no business sending) ends the wait."""
+  try:
+    return bool(select.select([conn], [], [], 0)[0])
+  except (OSError, ValueError):  # closed under us
+    return True
