@@ -23,7 +23,8 @@ from diloco_jax.runs import local as launch_local
 from diloco_jax.data import shards
 from diloco_jax.data import tokenizer
 from diloco_jax.protocol.messages import Push
-from diloco_jax.syncer.core import SyncerCore, SyncerSettings
+from diloco_jax.syncer.core import SyncerCore
+from diloco_jax.syncer.settings import SyncerSettings
 from diloco_jax.syncer.rules.quorum import QuorumPolicy
 from diloco_jax.transports.grpc_client import GrpcTransport
 

@@ -14,6 +14,7 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.messages import Rejected
 from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer import settings as settings_lib
 
 FP = helpers.FP
 H, TPB, STEPS = 10, 256, 60  # sync_every, tokens per learner step, train.steps
@@ -56,14 +57,14 @@ def test_settings_from_config_bound_the_claims():
   c = config_lib.base_config()
   c.learners.num, c.data.global_batch, c.data.seq_len = 4, 16, 64
   plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8, "longest_gap": c.outer.sync_every})()
-  s = core_lib.SyncerSettings.from_config(c, plan, "fp")
+  s = settings_lib.SyncerSettings.from_config(c, plan, "fp")
   assert (s.num_learners, s.tokens_per_step, s.sync_every, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
                                                                                  c.train.steps)
   assert s.max_norm_ratio == c.outer.max_norm_ratio == 10.0
   # A front-loaded schedule: a merge weight counts up to its longest gap, not H.
   c.outer.sync_schedule, c.train.steps = "front_loaded", 160
   plan = fragments.plan_for_config({"w": np.zeros(8, np.float32)}, c)
-  s = core_lib.SyncerSettings.from_config(c, plan, "fp")
+  s = settings_lib.SyncerSettings.from_config(c, plan, "fp")
   assert s.sync_every == plan.longest_gap == 38 > c.outer.sync_every
 
 

@@ -16,6 +16,7 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.messages import Push, Rejected, Transport
 from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer import settings as settings_lib
 from diloco_jax.syncer.rules.quorum import QuorumPolicy, grace_window_s, round_close_time
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport
@@ -327,7 +328,7 @@ def test_pull_waits_and_times_out():
 
 
 def test_in_process_transport_two_threads():
-  settings = core_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
+  settings = settings_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
                                      block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
                                      fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
@@ -373,7 +374,7 @@ def test_in_process_transport_two_threads():
 
 
 def test_ticker_closes_rounds_without_other_calls():
-  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+  settings = settings_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
       min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
@@ -389,7 +390,7 @@ def test_ticker_closes_rounds_without_other_calls():
 
 
 def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
-  settings = core_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
+  settings = settings_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
       min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
@@ -424,13 +425,13 @@ def test_settings_from_config_and_status_is_json():
   params = {"embed": {"embedding": np.zeros((4, 3))}, "layers": {0: {"w": np.zeros((3, 3))},
                                                                   1: {"w": np.zeros((3, 3))}}}
   plan = fragments.make_plan(params, 2, cfg.outer.sync_every)
-  s = core_lib.SyncerSettings.from_config(cfg, plan, "fp")
+  s = settings_lib.SyncerSettings.from_config(cfg, plan, "fp")
   # The downlink defaults to fp32 (the weights themselves are never quantized for learners).
   assert s.sizes == (21, 9) and s.codec == "int8" and s.downlink_codec == "fp32" and s.block == 64
   assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, min_grace_s=0.0, max_grace_s=5.0)
   assert (s.merge_rule, s.outer_lr, s.outer_momentum, s.lease_s) == ("tokens_sq_per_step", 0.7, 0.9, 30.0)
   cfg.outer.downlink_codec = "int4"
-  assert core_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "int4"
+  assert settings_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "int4"
   c, clock = make_core(num_learners=2, k=2)
   c.push(make_push(0, np.ones(8)))
   status = json.loads(json.dumps(c.status()))

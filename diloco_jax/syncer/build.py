@@ -12,7 +12,8 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.compute import model
 from diloco_jax.outer import placement
-from diloco_jax.syncer.core import SyncerCore, SyncerSettings
+from diloco_jax.syncer.core import SyncerCore
+from diloco_jax.syncer.settings import SyncerSettings
 
 
 def fragment_plan(config, params: Any) -> fragments.FragmentPlan:

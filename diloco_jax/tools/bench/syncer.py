@@ -46,7 +46,8 @@ from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import merge as outer
 from diloco_jax.outer.codec import CODECS
 from diloco_jax.protocol.messages import Push
-from diloco_jax.syncer.core import SyncerCore, SyncerSettings
+from diloco_jax.syncer.core import SyncerCore
+from diloco_jax.syncer.settings import SyncerSettings
 from diloco_jax.syncer.rules.quorum import QuorumPolicy
 
 LR, MOMENTUM = 0.7, 0.9
