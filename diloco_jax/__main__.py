@@ -42,6 +42,7 @@ COMMANDS = {
     "export": "diloco_jax.runs.export",
     "eval": "diloco_jax.tools.evaluate",
     "sample": "diloco_jax.tools.sample",
+    "replay": "diloco_jax.tools.replay",
 }
 
 

@@ -307,7 +307,7 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quoru
   core = job.core
   # Every reference the syncer ever held, by (fragment, version).
   refs = {(p, 0): core.reference(p)[1] for p in range(core.settings.num_fragments)}
-  downlink = core._downlink
+  downlink = core._machine.downlink
   commit_downlink = downlink.commit
 
   def recording(p, version, theta, held=()):

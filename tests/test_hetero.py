@@ -131,7 +131,7 @@ def test_decision_record_says_who_was_merged_waited_for_how_long_and_with_which_
 def test_decision_queue_is_bounded():
   c = helpers.make_core((8,), k=1, clock=helpers.FakeClock())
   c.join(0, FP)
-  c._decisions = type(c._decisions)(maxlen=3)  # a small bound, the same code path
+  c._machine.state.decisions = type(c._machine.state.decisions)(maxlen=3)  # a small bound, the same code path
   for v in range(5):
     c.push(helpers.make_push(0, np.ones(8), base_version=v))
   records = c.drain_decisions()

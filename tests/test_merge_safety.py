@@ -14,6 +14,9 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.messages import Rejected
 from diloco_jax.syncer import core as core_lib
+from diloco_jax.syncer import views
+from diloco_jax.syncer.rules import admission
+from diloco_jax.syncer.rules import rounds as rounds_rules
 from diloco_jax.syncer import settings as settings_lib
 
 FP = helpers.FP
@@ -317,7 +320,7 @@ def test_a_duplicate_push_gets_the_original_receipt_and_merges_once():
   for seq in range(2, 40):
     c.push(helpers.make_push(2, small(seed=seq), core=c, steps=H, tokens=H * TPB, incarnation=5,
                              sequence=seq, base_version=c.status()["versions"][0]))
-  assert len(c._keys[2]) == core_lib.KEYS_PER_LEARNER
+  assert len(c._machine.state.keys[2]) == admission.KEYS_PER_LEARNER
 
 
 def test_checkpoints_keep_the_keys_of_settled_contributions_only():
@@ -379,8 +382,8 @@ def test_status_stays_bounded_whatever_the_membership():
   status = c.status()
   size = len(json.dumps(status))
   assert size < 64 << 10, size  # far under gRPC's 4 MiB message limit
-  assert status["member_count"] == {"total": n, "live": n, "shown": core_lib.STATUS_MEMBERS}
-  assert len(status["live"]) == core_lib.STATUS_IDS
+  assert status["member_count"] == {"total": n, "live": n, "shown": views.STATUS_MEMBERS}
+  assert len(status["live"]) == rounds_rules.STATUS_IDS
   assert time.monotonic() - t0 < 60
   # Joins under ids outside the run do not even become members.
   small_core, _ = make_core(num_learners=4)

@@ -14,7 +14,7 @@ from diloco_jax.outer import codec
 from diloco_jax.outer import merge as outer
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
-from diloco_jax.protocol.messages import Push, Rejected, Transport
+from diloco_jax.protocol.messages import Push, PushReceipt, Rejected, Transport
 from diloco_jax.syncer import core as core_lib
 from diloco_jax.syncer import settings as settings_lib
 from diloco_jax.syncer.rules.quorum import QuorumPolicy, grace_window_s, round_close_time
@@ -49,7 +49,7 @@ def test_quorum_grace_straggler_late_and_everyone_in():
   g0 = global_of(c)
   clock.t = 1.0
   r = c.push(make_push(0, deltas[0], tokens=100))
-  assert r == core_lib.PushReceipt(fragment=0, round=0, late=False, epoch=c.epoch, version=1)
+  assert r == PushReceipt(fragment=0, round=0, late=False, epoch=c.epoch, version=1)
   for t in (1.0, 1.2):  # one contribution: never commits, whatever the time (within the lease)
     clock.t = t
     assert c.tick() == []

@@ -24,71 +24,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax.syncer.core import SyncerCore
-
-_ARRAY = "__array__"
-_TUPLE = "__tuple__"
-_DICT = "__dict__"  # a dict whose keys are not all strings: stored as a list of [key, value] pairs
+from diloco_jax.syncer.snapshot import ARRAY_KEY, join_state, split_state
 
 log = logging.getLogger(__name__)
-
-
-def split_state(state: Any, *, copy: bool = True) -> tuple[dict[str, np.ndarray], Any]:
-  """(arrays, skeleton): the arrays of a state dict by generated key, and a JSON-able skeleton.
-
-  `copy=False` when the state's arrays are already private copies (`SyncerCore.state_dict()` takes them
-  under the core's lock): the arrays are then passed on as they are, one fragment-sized copy fewer."""
-  arrays: dict[str, np.ndarray] = {}
-
-  def walk(node):
-    if isinstance(node, (np.ndarray, np.generic)) or _is_jax_array(node):
-      key = f"a{len(arrays)}"
-      # Copy (unless the caller's arrays are private already): an async save must not see the array change.
-      arrays[key] = np.array(node, copy=True) if copy or not isinstance(node, np.ndarray) else node
-      return {_ARRAY: key, "scalar": isinstance(node, np.generic)}
-    if isinstance(node, dict):
-      if all(isinstance(k, str) for k in node):
-        return {k: walk(v) for k, v in node.items()}
-      return {_DICT: [[_key_to_json(k), walk(v)] for k, v in node.items()]}
-    if isinstance(node, tuple):
-      return {_TUPLE: [walk(v) for v in node]}
-    if isinstance(node, list):
-      return [walk(v) for v in node]
-    if node is None or isinstance(node, (bool, int, float, str)):
-      return node
-    raise TypeError(f"cannot checkpoint a {type(node).__name__} in the syncer state: {node!r:.80}")
-
-  skeleton = walk(state)
-  return arrays, skeleton
-
-
-def join_state(arrays: dict[str, np.ndarray], skeleton: Any) -> Any:
-  """The inverse of `split_state`."""
-
-  def walk(node):
-    if isinstance(node, dict):
-      if _ARRAY in node:
-        value = np.asarray(arrays[node[_ARRAY]])
-        return value[()] if node.get("scalar") else value
-      if _TUPLE in node:
-        return tuple(walk(v) for v in node[_TUPLE])
-      if _DICT in node:
-        return {k: walk(v) for k, v in node[_DICT]}
-      return {k: walk(v) for k, v in node.items()}
-    if isinstance(node, list):
-      return [walk(v) for v in node]
-    return node
-
-  return walk(skeleton)
-
-
-def _is_jax_array(x) -> bool:
-  return type(x).__module__.startswith("jax") and hasattr(x, "__array__") and hasattr(x, "shape")
-
-
-def _key_to_json(k):
-  if isinstance(k, bool) or not isinstance(k, (int, str)):
-    raise TypeError(f"syncer state dict keys must be str or int, got {k!r}")
-  return k
 
 
 class SyncerCheckpointer:
@@ -149,7 +87,7 @@ class SyncerCheckpointer:
 
 def _has_arrays(skeleton) -> bool:
   if isinstance(skeleton, dict):
-    return _ARRAY in skeleton or any(_has_arrays(v) for v in skeleton.values())
+    return ARRAY_KEY in skeleton or any(_has_arrays(v) for v in skeleton.values())
   if isinstance(skeleton, list):
     return any(_has_arrays(v) for v in skeleton)
   return False
