@@ -127,8 +127,9 @@ def test_lr1_momentum0_is_plain_overwrite():
 
 @pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (0.8, 0.5), (1.0, 0.0)])
 def test_numpy_nesterov_matches_optax_to_float32_rounding(lr, mu):
-  """`nesterov_step_` (numpy, in place) against optax's sgd(nesterov=True), jitted: XLA contracts each
-  multiply-add into a fused multiply-add, numpy rounds twice, so the two agree to an ulp or two a step."""
+  """`delayed_nesterov_step_`'s plain step (numpy, in place) against optax's sgd(nesterov=True), jitted: XLA
+  contracts each multiply-add into a fused multiply-add, numpy rounds twice, so the two agree to an ulp or two
+  a step."""
   tx = outer_reference.make_outer_optimizer(lr, mu)
   rng = np.random.default_rng(3)
   theta = rng.standard_normal(4099).astype(np.float32)
@@ -138,7 +139,7 @@ def test_numpy_nesterov_matches_optax_to_float32_rounding(lr, mu):
     g = (rng.standard_normal(theta.size) * 0.1).astype(np.float32)
     theta, state = outer_reference.outer_step(tx, theta, state, g)
     g_before = g.copy()
-    nesterov.nesterov_step_(mine, momentum, g, lr, mu)
+    nesterov.delayed_nesterov_step_(mine, momentum, g, lr, mu)
     np.testing.assert_array_equal(g, g_before)  # the gradient is kept
     # Each of the three roundings is within half an ulp of the operands' magnitude (|theta|, |g| ~ 1).
     np.testing.assert_allclose(mine, theta, rtol=0, atol=(step + 1) * 4 * 2.0**-24 * np.abs(theta).max())
@@ -194,7 +195,7 @@ def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, mon
 @pytest.mark.parametrize("threads", [1, 3])
 def test_fused_delayed_nesterov_matches_the_optimizer(threads, monkeypatch):
   """Partial rounds through `apply_round` (the pending sum folded into the momentum vector, `share_after`)
-  against `outer_step` with the same shares: the global equals the optimizer's to float32 rounding, and
+  against the reference `outer_step` with the same shares: the global equals the optimizer's to float32 rounding, and
   the momentum vector holds the optimizer's momentum once a cycle closes, mu x it + the pending sum while
   one is open (quarter rounds, a carry beyond a full round, a full round after)."""
   monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)

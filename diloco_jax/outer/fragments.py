@@ -107,11 +107,6 @@ def flatten(params: Any) -> dict[str, Any]:
   return {_path_str(keys): leaf for keys, leaf in _iter_leaves(params)}
 
 
-def leaf_paths(params: Any) -> list[str]:
-  """All leaf paths of `params`, sorted."""
-  return sorted(flatten(params))
-
-
 def _group(keys: tuple) -> tuple[str, int | None]:
   """The group a leaf belongs to: ("layers/i", i) for a layer's leaf, else (top-level key, None)."""
   strs = [str(k) for k in keys]

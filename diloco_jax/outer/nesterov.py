@@ -16,17 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
-                   out: np.ndarray | None = None) -> None:
-  """The plain Nesterov SGD step in place, in float32:
-
-      momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
-
-  the operations optax's `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same
-  order. `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
-  delayed_nesterov_step_(global_vec, momentum, grad, lr, mu, out=out)
-
-
 def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
                            *, opened: bool = False, full: bool = True, out: np.ndarray | None = None) -> None:
   """The delayed Nesterov step (module docstring) in place, in float32, with its pending sum folded into
@@ -35,10 +24,11 @@ def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: n
   m <- m + g; so once the cycle's shares add up to a full round, m = mu m_before + sum g, the optimizer's
   momentum. The round that completes it (`full`) steps with it, global <- global - lr (g + mu m); a
   partial round applies its gradient alone, global <- global - lr g. The defaults (a new cycle, full) are
-  optax's `sgd(nesterov=True)` step, in the same order of operations. In between, the stored momentum is
-  the optimizer's momentum times mu plus the pending sum (the reference's `OuterState.trace`, `.pending`):
-  what the next full round needs. `out`: an optional float32 work array of grad's size (else one is
-  allocated); `grad` is kept."""
+  the plain Nesterov step, m <- g + mu m; global <- global - lr (g + mu m): the operations optax's
+  `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same order. In between, the
+  stored momentum is the optimizer's momentum times mu plus the pending sum (the reference's
+  `OuterState.trace`, `.pending`): what the next full round needs. `out`: an optional float32 work array of
+  grad's size (else one is allocated); `grad` is kept."""
   mu, lr = np.float32(mu), np.float32(lr)
   tmp = np.empty_like(grad) if out is None else out
   if not opened:
