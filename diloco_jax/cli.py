@@ -124,11 +124,10 @@ def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
   from diloco_jax.config import schema as config_lib  # lazy, as in `validated`
-  from diloco_jax.outer import fragments
-  from diloco_jax.compute import model
+  from diloco_jax.compute import plans
 
   try:
-    fragments.plan_for_config(model.abstract_params(config.model), config)
+    plans.run_plan(config)
   except ValueError as e:
     message = str(e)
     field = next((f for f in ("outer.sync_every", "outer.fragment_plan", "outer.sync_schedule",

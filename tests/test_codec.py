@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.outer import codec
+from diloco_jax.outer import codec_kernels
 
 
 def vectors():
@@ -116,7 +117,7 @@ def test_chunked_coding_is_byte_identical_to_one_pass(fmt, block, monkeypatch):
   vec = rng.standard_normal(50_001).astype(np.float32) * np.repeat(rng.uniform(0.1, 10, 50_001 // 7 + 1), 7)[:50_001]
   one_pass = codec.encode(vec, fmt, block)
   decoded = codec.decode(one_pass, fmt, vec.size, block)
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 300)  # many chunks, and a ragged last one
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 300)  # many chunks, and a ragged last one
   assert codec.encode(vec, fmt, block) == one_pass
   np.testing.assert_array_equal(codec.decode(one_pass, fmt, vec.size, block), decoded)
 
@@ -179,7 +180,7 @@ def _kernel_vectors():
 
 @pytest.mark.parametrize("name", codec.CODECS)
 def test_chunk_kernels_are_bitwise_the_one_pass_formats(name, monkeypatch):
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)
   for vec, block in _kernel_vectors():
     payload = codec.encode(vec, name, block)
     assert payload == _reference_encode(vec, name, block), (vec.size, block)
@@ -211,7 +212,7 @@ def test_chunk_kernels_are_bitwise_the_one_pass_formats(name, monkeypatch):
 def test_norm_without_decoding_is_the_decoded_norm(name, size, block, monkeypatch):
   """`norm` (code tables and scales for int8 / int4) against the norm of the decoded vector: equal up to
   float32's rounding of the decoded values, on any thread count, whatever a payload's padding codes hold."""
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
   rng = np.random.default_rng(size + block)
   vec = (rng.standard_normal(size) * rng.uniform(0.01, 3.0)).astype(np.float32)
   payload = bytearray(codec.encode(vec, name, block))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.config import schema as config_lib
+from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import pipeline as data
 
 MAX_BYTES = 300_000  # a slice of the embedded corpus: large enough for real shards, fast to read
@@ -29,38 +30,38 @@ def epoch_rows(it, n_records, batch_size):
 
 
 def test_embedded_corpus_split_is_by_file_and_deterministic():
-  corpus = data.load_corpus("", 0, 0.05)
+  corpus = corpus_lib.load_corpus("", 0, 0.05)
   train, ev = set(corpus.train_files), set(corpus.eval_files)
   assert train and ev
   assert not train & ev
   assert not any("site-packages" in f or f.startswith("test/") for f in train | ev)
   assert all(f.endswith(".py") for f in train | ev)
   # The eval set is exactly the files whose path hash falls under the fraction.
-  assert ev == {f for f in train | ev if data._is_eval(f, 0.05)}
+  assert ev == {f for f in train | ev if corpus_lib.is_eval_file(f, 0.05)}
   assert 0.01 < len(ev) / len(train | ev) < 0.15
   # Bytes: the files joined by one separator byte each.
   assert corpus.train.dtype == np.uint8
   assert corpus.train.size > 1_000_000
-  assert np.count_nonzero(corpus.train == data.SEPARATOR) >= len(train) - 1
+  assert np.count_nonzero(corpus.train == corpus_lib.SEPARATOR) >= len(train) - 1
   # Reloading from disk (cache cleared) gives the same corpus.
-  data.load_corpus.cache_clear()
-  again = data.load_corpus("", 0, 0.05)
+  corpus_lib.load_corpus.cache_clear()
+  again = corpus_lib.load_corpus("", 0, 0.05)
   assert again.eval_files == corpus.eval_files
   np.testing.assert_array_equal(again.eval, corpus.eval)
 
 
 def test_max_bytes_caps_the_corpus_and_the_cache_is_shared():
-  corpus = data.load_corpus(max_bytes=MAX_BYTES)
+  corpus = corpus_lib.load_corpus(max_bytes=MAX_BYTES)
   n_files = len(corpus.train_files) + len(corpus.eval_files)
   assert corpus.num_bytes == MAX_BYTES + n_files - 2  # file bytes + one separator between files per split
   assert corpus.train_files and corpus.eval_files
-  assert data.load_corpus("", MAX_BYTES, 0.05) is corpus
+  assert corpus_lib.load_corpus("", MAX_BYTES, 0.05) is corpus
   assert not corpus.train.flags.writeable  # shared through the cache, so read-only
 
 
 def test_windows_overlap_by_one_token_and_cover_the_stream():
   tokens = np.arange(1000, dtype=np.uint8)
-  src = data.PackedWindows(tokens, 64)
+  src = corpus_lib.PackedWindows(tokens, 64)
   assert len(src) == (1000 - 1) // 64
   windows = [src[i]["tokens"] for i in range(len(src))]
   assert all(w.dtype == np.int32 and w.shape == (65,) for w in windows)
@@ -75,7 +76,7 @@ def test_windows_overlap_by_one_token_and_cover_the_stream():
 
 def test_shards_are_disjoint_and_cover_every_record():
   cfg, num_shards, batch = data_cfg(), 3, 8
-  all_windows = data.PackedWindows(data.load_corpus("", MAX_BYTES).train, cfg.seq_len)
+  all_windows = corpus_lib.PackedWindows(corpus_lib.load_corpus("", MAX_BYTES).train, cfg.seq_len)
   want = collections.Counter(all_windows[i]["tokens"].tobytes() for i in range(len(all_windows)))
   got = collections.Counter()
   for k in range(num_shards):
@@ -93,13 +94,13 @@ def test_shard_record_sets_are_pairwise_disjoint(tmp_path):
   for name in ("a.bin", "b.bin", "c.bin"):
     (tmp_path / name).write_bytes(rng.integers(1, 256, 20_000, dtype=np.uint8).tobytes())
   cfg, num_shards, batch = data_cfg(path=str(tmp_path), max_bytes=0, seq_len=32), 4, 4
-  n = len(data.PackedWindows(data.load_corpus(cfg.path, 0, cfg.eval_fraction).train, 32))
+  n = len(corpus_lib.PackedWindows(corpus_lib.load_corpus(cfg.path, 0, cfg.eval_fraction).train, 32))
   shards = []
   for k in range(num_shards):
     it = data.train_iterator(cfg, batch_size=batch, num_shards=num_shards, shard_index=k)
     shards.append({r.tobytes() for r in epoch_rows(it, len(range(k, n, num_shards)), batch)})
   assert sum(len(s) for s in shards) == n  # no duplicates within a shard's epoch
-  all_windows = data.PackedWindows(data.load_corpus(cfg.path, 0, cfg.eval_fraction).train, 32)
+  all_windows = corpus_lib.PackedWindows(corpus_lib.load_corpus(cfg.path, 0, cfg.eval_fraction).train, 32)
   assert set().union(*shards) == {all_windows[i]["tokens"].tobytes() for i in range(n)}
   for i in range(num_shards):
     for j in range(i + 1, num_shards):
@@ -112,7 +113,7 @@ def test_shards_shuffle_differently_and_deterministically():
   np.testing.assert_array_equal(first(0, 0)["tokens"], first(0, 0)["tokens"])
   assert not np.array_equal(first(0, 0)["tokens"], first(0, 1)["tokens"])
   # Shard 0's batch is not just its records in order (it was shuffled).
-  src = data.PackedWindows(data.load_corpus("", MAX_BYTES).train, cfg.seq_len)
+  src = corpus_lib.PackedWindows(corpus_lib.load_corpus("", MAX_BYTES).train, cfg.seq_len)
   in_order = np.stack([src[i]["tokens"] for i in range(0, 8, 2)])
   assert not np.array_equal(first(0, 0)["tokens"], in_order)
 
@@ -159,7 +160,7 @@ def test_user_directory(tmp_path):
   (tmp_path / "c.md").write_text("gamma " * 400)
   (tmp_path / ".hidden").write_text("never read")
   cfg = data_cfg(path=str(tmp_path), max_bytes=0, seq_len=16)
-  corpus = data.load_corpus(cfg.path, 0, cfg.eval_fraction)
+  corpus = corpus_lib.load_corpus(cfg.path, 0, cfg.eval_fraction)
   files = corpus.train_files + corpus.eval_files
   assert sorted(files) == ["a.txt", "c.md", "sub/b.txt"]
   assert corpus.train_files and corpus.eval_files
@@ -174,7 +175,7 @@ def test_user_directory(tmp_path):
 def test_single_user_file_is_split_by_bytes(tmp_path):
   f = tmp_path / "one.txt"
   f.write_bytes(bytes(range(1, 201)) * 10)
-  corpus = data.load_corpus(str(f), 0, 0.1)
+  corpus = corpus_lib.load_corpus(str(f), 0, 0.1)
   assert corpus.train_files == corpus.eval_files == ("one.txt",)
   assert corpus.train.size == 1800 and corpus.eval.size == 200
   assert corpus.train.tobytes() + corpus.eval.tobytes() == f.read_bytes()
@@ -207,8 +208,8 @@ def test_bad_arguments_name_the_field(tmp_path):
 
 def test_eval_batches_are_ordered_and_cycle():
   cfg = data_cfg(seq_len=32)
-  corpus = data.load_corpus("", MAX_BYTES)
-  n_windows = len(data.PackedWindows(corpus.eval, 32))
+  corpus = corpus_lib.load_corpus("", MAX_BYTES)
+  n_windows = len(corpus_lib.PackedWindows(corpus.eval, 32))
   batches = data.eval_batches(cfg, batch_size=8, num_batches=n_windows // 8 + 2)
   rows = np.concatenate([b["tokens"] for b in batches])
   assert all(b["tokens"].shape == (8, 33) and b["tokens"].dtype == np.int32 for b in batches)

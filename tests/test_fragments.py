@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.outer import fragments
+from diloco_jax.outer import schedule
 
 
 def fake_params(num_layers=6, d=8, vocab=16, lm_head=False):
@@ -32,7 +33,7 @@ def test_every_leaf_exactly_once_and_roundtrip(kind, num_fragments):
   params = fake_params()
   plan = fragments.make_plan(params, num_fragments, sync_every=12, kind=kind)
   all_paths = [path for ps in plan.paths for path in ps]
-  assert sorted(all_paths) == fragments.leaf_paths(params)
+  assert sorted(all_paths) == sorted(fragments.flatten(params))
   assert len(set(all_paths)) == len(all_paths)
   assert all(len(ps) > 0 for ps in plan.paths)
   flat = fragments.flatten(params)
@@ -153,11 +154,11 @@ def test_due_each_fragment_once_per_period(num_fragments, sync_every):
   plan = fragments.make_plan(fake_params(), num_fragments, sync_every)
   assert plan.offsets == tuple(round(p * sync_every / num_fragments) for p in range(num_fragments))
   assert len(set(plan.offsets)) == num_fragments and all(0 <= o < sync_every for o in plan.offsets)
-  assert fragments.due_fragments(plan, 0) == []
+  assert schedule.due_fragments(plan, 0) == []
   for start in (1, 1 + sync_every, 7 * sync_every + 3):
     seen = []
     for step in range(start, start + sync_every):
-      due = fragments.due_fragments(plan, step)
+      due = schedule.due_fragments(plan, step)
       seen += due
       for p in due:
         assert step % sync_every == plan.offsets[p]
@@ -192,10 +193,10 @@ def test_get_and_set_leaves_copy_only_the_way_to_them():
 
 
 def test_in_flight_limit_follows_the_schedule():
-  assert fragments.in_flight_limit(0, 2, 20, 2) == 2  # the default schedule: what max_in_flight was
-  assert fragments.in_flight_limit(0, 24, 24, 2) == 3  # P = H: a snapshot every step, adopted tau later
-  assert fragments.in_flight_limit(0, 4, 4, 0) == 1  # synchronous
-  assert fragments.in_flight_limit(5, 24, 24, 2) == 5  # a set value is kept
+  assert schedule.in_flight_limit(0, 2, 20, 2) == 2  # the default schedule: what max_in_flight was
+  assert schedule.in_flight_limit(0, 24, 24, 2) == 3  # P = H: a snapshot every step, adopted tau later
+  assert schedule.in_flight_limit(0, 4, 4, 0) == 1  # synchronous
+  assert schedule.in_flight_limit(5, 24, 24, 2) == 5  # a set value is kept
 
 
 @pytest.mark.parametrize("steps,sync_every,num_fragments,power,tau", [
@@ -204,11 +205,11 @@ def test_in_flight_limit_follows_the_schedule():
 def test_front_loaded_keeps_the_periodic_sync_count_with_growing_gaps(steps, sync_every, num_fragments, power,
                                                                       tau):
   offsets = fragments.make_plan(fake_params(), num_fragments, sync_every).offsets
-  min_gap = fragments.min_spacing("front_loaded", sync_every, tau)
-  table = fragments.schedule_steps("front_loaded", steps, sync_every, offsets, power, min_gap)
-  assert table == fragments.schedule_steps("front_loaded", steps, sync_every, offsets, power, min_gap)  # pure
+  min_gap = schedule.min_spacing("front_loaded", sync_every, tau)
+  table = schedule.schedule_steps("front_loaded", steps, sync_every, offsets, power, min_gap)
+  assert table == schedule.schedule_steps("front_loaded", steps, sync_every, offsets, power, min_gap)  # pure
   for p, o in enumerate(offsets):
-    periodic = fragments.periodic_steps(steps, sync_every, o)
+    periodic = schedule.periodic_steps(steps, sync_every, o)
     assert periodic == tuple(s for s in range(1, steps + 1) if s % sync_every == o)  # due_fragments' rule
     due = table[p]
     assert len(due) == len(periodic) >= 1  # the same syncs, so the same bytes; every fragment synced
@@ -223,12 +224,12 @@ def test_front_loaded_keeps_the_periodic_sync_count_with_growing_gaps(steps, syn
 
 def test_front_loaded_power_one_is_periodic_and_too_much_front_loading_is_refused():
   for o in (0, 3, 7):
-    assert fragments.front_loaded_steps(100, 10, o, 1.0) == fragments.periodic_steps(100, 10, o)
-  assert fragments.schedule_steps("periodic", 100, 10, (0, 5)) == ()
+    assert schedule.front_loaded_steps(100, 10, o, 1.0) == schedule.periodic_steps(100, 10, o)
+  assert schedule.schedule_steps("periodic", 100, 10, (0, 5)) == ()
   with pytest.raises(ValueError, match="outer.schedule_power"):
-    fragments.front_loaded_steps(20, 2, 0, 4.0, min_gap=3)  # 10 syncs at least 3 apart need 30 steps
+    schedule.front_loaded_steps(20, 2, 0, 4.0, min_gap=3)  # 10 syncs at least 3 apart need 30 steps
   with pytest.raises(ValueError, match="outer.sync_schedule"):
-    fragments.schedule_steps("cosine", 100, 10, (0,))
+    schedule.schedule_steps("cosine", 100, 10, (0,))
 
 
 def test_due_fragments_follow_the_configured_schedule():
@@ -242,12 +243,12 @@ def test_due_fragments_follow_the_configured_schedule():
   assert plan.paths == periodic.paths and plan.offsets == periodic.offsets
   seen = [[], []]
   for step in range(0, 200):
-    for p in fragments.due_fragments(plan, step):
+    for p in schedule.due_fragments(plan, step):
       seen[p].append(step)
   assert tuple(map(tuple, seen)) == plan.sync_steps
   assert [len(s) for s in seen] == [8, 8]  # as periodic: 160 / 20 syncs each
   assert seen[0][:3] == [2, 10, 22] and seen[0][-1] == 160
   assert plan.longest_gap == max(np.diff([0] + seen[0]).max(), np.diff([0] + seen[1]).max()) == 38
   # A fragment is never due again before its sync, adopted tau steps later, came back: P + 1 in flight.
-  assert fragments.in_flight_limit(0, 2, fragments.min_spacing("front_loaded", 20, 2), 2) == 3
-  assert fragments.min_spacing("periodic", 20, 2) == 20
+  assert schedule.in_flight_limit(0, 2, schedule.min_spacing("front_loaded", 20, 2), 2) == 3
+  assert schedule.min_spacing("periodic", 20, 2) == 20

@@ -13,7 +13,7 @@ import helpers
 from diloco_jax.config import schema as config_lib
 from diloco_jax.runs import inprocess
 from diloco_jax import metrics as metrics_lib
-from diloco_jax.outer import merge as outer
+from diloco_jax.tools.bench import outer_reference
 from diloco_jax.tools.bench import hetero as bench_hetero
 from diloco_jax.learner import pace
 from diloco_jax.syncer.rules import quorum as policy
@@ -273,7 +273,7 @@ def test_bench_hetero_simulator_row_and_lockstep():
 
 def test_core_partial_rounds_move_the_momentum_once_per_full_share_across_a_restore():
   """K = 1, four equal learners: four single-learner rounds (a quarter share each) step the global like
-  the optimizer's delayed Nesterov step (`outer.outer_step` with the same shares), and a checkpoint taken
+  the optimizer's delayed Nesterov step (`outer_reference.outer_step` with the same shares), and a checkpoint taken
   mid-cycle (two quarters in) restores it exactly: the rest of the cycle lands the same globals."""
   size, lr, mu = 4096, 0.7, 0.9
   kw = dict(k=1, lr=lr, momentum=mu, initial="linspace", max_grace_s=0.0, lease_s=100.0,
@@ -281,15 +281,15 @@ def test_core_partial_rounds_move_the_momentum_once_per_full_share_across_a_rest
   core = helpers.make_core((size,), clock=helpers.FakeClock(), **kw)
   for i in range(4):
     core.join(i, helpers.FP)
-  tx = outer.make_outer_optimizer(lr, mu)
+  tx = outer_reference.make_outer_optimizer(lr, mu)
   theta = np.linspace(-1, 1, size, dtype=np.float32)
-  state = outer.init_outer_state(tx, theta)
+  state = outer_reference.init_outer_state(tx, theta)
   rng = np.random.default_rng(7)
   deltas = [rng.standard_normal(size).astype(np.float32) * 0.01 for _ in range(4)]
   restored = None
   for i, d in enumerate(deltas):
     core.push(helpers.make_push(i, d, core=core, base_version=0, tokens=100, steps=10))
-    theta, state = outer.outer_step(tx, theta, state, d * np.float32(0.25), 0.25)
+    theta, state = outer_reference.outer_step(tx, theta, state, d * np.float32(0.25), 0.25)
     np.testing.assert_allclose(core.global_fragments()[0], theta, rtol=1e-5, atol=1e-6)
     if i == 1:
       restored = helpers.make_core((size,), clock=helpers.FakeClock(), **kw)

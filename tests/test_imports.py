@@ -96,6 +96,12 @@ def test_the_syncer_core_reaches_no_transport_and_no_model():
               or _under(m, "diloco_jax.transports") or _under(m, "diloco_jax.learner")}, sorted(reached)
 
 
+def test_the_outer_math_reaches_no_jax():
+  outer = [m for m in GRAPH if _under(m, "diloco_jax.outer")]
+  reached = set().union(*(_closure(m) for m in outer))
+  assert len(outer) > 5 and not {m for m in reached if m.split(".")[0] in ("jax", "flax", "optax")}, sorted(reached)
+
+
 def test_the_graph_is_read_from_the_real_package():
   # The rules above would pass vacuously on an empty or misparsed graph.
   assert "diloco_jax.syncer.core" in GRAPH and "diloco_jax.protocol.messages" in GRAPH["diloco_jax.syncer.core"]

@@ -7,7 +7,10 @@ import optax
 import pytest
 
 from diloco_jax.outer import codec
+from diloco_jax.outer import codec_kernels
 from diloco_jax.outer import merge as outer
+from diloco_jax.outer import nesterov
+from diloco_jax.tools.bench import outer_reference
 
 
 def test_outer_gradient():
@@ -90,31 +93,32 @@ def test_merge_rda_formula():
 
 def test_nesterov_matches_hand_recurrence():
   lr, mu = 0.7, 0.9
-  tx = outer.make_outer_optimizer(lr, mu)
+  tx = outer_reference.make_outer_optimizer(lr, mu)
   rng = np.random.default_rng(2)
   theta = rng.standard_normal(33).astype(np.float32)
-  state = outer.init_outer_state(tx, theta)
+  state = outer_reference.init_outer_state(tx, theta)
   ref_theta, m = theta.astype(np.float64), np.zeros(33)
   for _ in range(3):
     g = rng.standard_normal(33).astype(np.float32)
-    theta, state = outer.outer_step(tx, theta, state, g)
+    theta, state = outer_reference.outer_step(tx, theta, state, g)
     m = mu * m + g
     ref_theta = ref_theta - lr * (g + mu * m)
     assert theta.dtype == np.float32
     np.testing.assert_allclose(theta, ref_theta, rtol=1e-5, atol=1e-5)
   # The momentum survives a numpy round trip (what checkpoints store).
-  restored = outer.state_from_numpy(tx, theta, outer.state_to_numpy(state))
+  restored = outer_reference.state_from_numpy(tx, theta, outer_reference.state_to_numpy(state))
   g = np.ones(33, np.float32)
-  a, _ = outer.outer_step(tx, theta, state, g)
-  b, _ = outer.outer_step(tx, theta, restored, g)
+  a, _ = outer_reference.outer_step(tx, theta, state, g)
+  b, _ = outer_reference.outer_step(tx, theta, restored, g)
   np.testing.assert_array_equal(a, b)
 
 
 def test_lr1_momentum0_is_plain_overwrite():
-  tx = outer.make_outer_optimizer(1.0, 0.0)
+  tx = outer_reference.make_outer_optimizer(1.0, 0.0)
   glob = np.arange(16, dtype=np.float32) / 8
   local = glob - np.arange(16, dtype=np.float32)[::-1] / 64
-  new, _ = outer.outer_step(tx, glob, outer.init_outer_state(tx, glob), outer.outer_gradient(glob, local))
+  state = outer_reference.init_outer_state(tx, glob)
+  new, _ = outer_reference.outer_step(tx, glob, state, outer.outer_gradient(glob, local))
   np.testing.assert_array_equal(new, local)
 
 
@@ -123,18 +127,19 @@ def test_lr1_momentum0_is_plain_overwrite():
 
 @pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (0.8, 0.5), (1.0, 0.0)])
 def test_numpy_nesterov_matches_optax_to_float32_rounding(lr, mu):
-  """`nesterov_step_` (numpy, in place) against optax's sgd(nesterov=True), jitted: XLA contracts each
-  multiply-add into a fused multiply-add, numpy rounds twice, so the two agree to an ulp or two a step."""
-  tx = outer.make_outer_optimizer(lr, mu)
+  """`delayed_nesterov_step_`'s plain step (numpy, in place) against optax's sgd(nesterov=True), jitted: XLA
+  contracts each multiply-add into a fused multiply-add, numpy rounds twice, so the two agree to an ulp or two
+  a step."""
+  tx = outer_reference.make_outer_optimizer(lr, mu)
   rng = np.random.default_rng(3)
   theta = rng.standard_normal(4099).astype(np.float32)
-  state = outer.init_outer_state(tx, theta)
+  state = outer_reference.init_outer_state(tx, theta)
   mine, momentum = theta.copy(), np.zeros_like(theta)
   for step in range(5):
     g = (rng.standard_normal(theta.size) * 0.1).astype(np.float32)
-    theta, state = outer.outer_step(tx, theta, state, g)
+    theta, state = outer_reference.outer_step(tx, theta, state, g)
     g_before = g.copy()
-    outer.nesterov_step_(mine, momentum, g, lr, mu)
+    nesterov.delayed_nesterov_step_(mine, momentum, g, lr, mu)
     np.testing.assert_array_equal(g, g_before)  # the gradient is kept
     # Each of the three roundings is within half an ulp of the operands' magnitude (|theta|, |g| ~ 1).
     np.testing.assert_allclose(mine, theta, rtol=0, atol=(step + 1) * 4 * 2.0**-24 * np.abs(theta).max())
@@ -157,7 +162,7 @@ def _contributions(size, codec_name, block, count, seed=0):
 def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, monkeypatch):
   """`apply_round` (decode, weigh, sum and step chunk by chunk, in place) against decoding every payload,
   `merge`, scaling, and optax's step: equal to float32 rounding, and bitwise the same on 1 or 3 threads."""
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)  # many chunks, and a ragged last one
   payloads = _contributions(size, codec_name, block, 4)
   decoded = [codec.decode(p, codec_name, size, block) for p in payloads]
   raw = outer.raw_weights([100, 250, 0, 75], [10, 10, 10, 5], "tokens_sq_per_step")
@@ -166,14 +171,14 @@ def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, mon
   norms = [float(np.linalg.norm(d.astype(np.float64))) for d in decoded]
   np.testing.assert_allclose([np.sqrt(codec.sum_squares(codec.parse(p, codec_name, size, block)))
                               for p in payloads], norms, rtol=1e-12)
-  tx = outer.make_outer_optimizer(0.7, 0.9)
+  tx = outer_reference.make_outer_optimizer(0.7, 0.9)
   rng = np.random.default_rng(1)
   theta0 = rng.standard_normal(size).astype(np.float32)
-  ref_theta, ref_state = theta0, outer.init_outer_state(tx, theta0)
+  ref_theta, ref_state = theta0, outer_reference.init_outer_state(tx, theta0)
   fused = {t: (theta0.copy(), np.zeros(size, np.float32)) for t in (1, 3)}
   for scale in (1.0, 0.75):  # two rounds: the second one steps with momentum
     merged = outer.merge(decoded, weights, rda=rda) * scale
-    ref_theta, ref_state = outer.outer_step(tx, ref_theta, ref_state, merged)
+    ref_theta, ref_state = outer_reference.outer_step(tx, ref_theta, ref_state, merged)
     for threads, (theta, momentum) in fused.items():
       outer.apply_round(theta, momentum, payloads, weights, codec_name=codec_name, block=block, lr=0.7, mu=0.9,
                         rda=rda, norms=norms, scale=scale, threads=threads)
@@ -190,21 +195,21 @@ def test_fused_round_matches_unfused_reference(codec_name, rda, size, block, mon
 @pytest.mark.parametrize("threads", [1, 3])
 def test_fused_delayed_nesterov_matches_the_optimizer(threads, monkeypatch):
   """Partial rounds through `apply_round` (the pending sum folded into the momentum vector, `share_after`)
-  against `outer_step` with the same shares: the global equals the optimizer's to float32 rounding, and
+  against the reference `outer_step` with the same shares: the global equals the optimizer's to float32 rounding, and
   the momentum vector holds the optimizer's momentum once a cycle closes, mu x it + the pending sum while
   one is open (quarter rounds, a carry beyond a full round, a full round after)."""
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)
   size = 20_000
   rng = np.random.default_rng(5)
-  tx = outer.make_outer_optimizer(0.7, 0.9)
+  tx = outer_reference.make_outer_optimizer(0.7, 0.9)
   theta0 = rng.standard_normal(size).astype(np.float32)
-  ref_theta, ref_state = theta0, outer.init_outer_state(tx, theta0)
+  ref_theta, ref_state = theta0, outer_reference.init_outer_state(tx, theta0)
   theta, momentum = theta0.copy(), np.zeros(size, np.float32)
   pending_share, opened, fulls = 0.0, False, []
   for share in (0.25, 0.25, 0.25, 0.25, 0.6, 0.6, 1.0, 0.3):
     payload = codec.encode((0.01 * rng.standard_normal(size)).astype(np.float32), "int8")
     merged = codec.decode(payload, "int8", size) * np.float32(share)
-    ref_theta, ref_state = outer.outer_step(tx, ref_theta, ref_state, merged, share)
+    ref_theta, ref_state = outer_reference.outer_step(tx, ref_theta, ref_state, merged, share)
     full, pending_share = outer.share_after(pending_share, share)
     result = outer.apply_round(theta, momentum, [payload], [1.0], codec_name="int8", block=64, lr=0.7, mu=0.9,
                                scale=share, threads=threads, opened=opened, full=full)
@@ -249,7 +254,7 @@ def test_fused_round_edge_cases():
 def test_fused_round_is_all_or_nothing(threads, monkeypatch):
   """The in-place step writes only a result proven or checked finite: the same values whichever way, the
   new norms with them, and nothing at all when any chunk of the result would overflow."""
-  monkeypatch.setattr(codec, "_CHUNK_ELEMS", 4096)
+  monkeypatch.setattr(codec_kernels, "CHUNK_ELEMS", 4096)
   size = 50_000
   rng = np.random.default_rng(3)
   theta0 = rng.standard_normal(size).astype(np.float32)
@@ -294,11 +299,13 @@ def test_momentum_from_old_and_new_checkpoints():
   theta = np.arange(5, dtype=np.float32)
   state = tx.init(theta)
   updates, state = tx.update(np.ones(5, np.float32), state, theta)
-  old_entry = outer.state_to_numpy(state)  # what syncer checkpoints held before: optax's state tree
+  old_entry = outer_reference.state_to_numpy(state)  # what syncer checkpoints held before: optax's state tree
   m = outer.momentum_from_state(old_entry, 5)
   np.testing.assert_array_equal(m, jax.tree.leaves(state)[0])
   assert m.flags.writeable and m.dtype == np.float32
   np.testing.assert_array_equal(outer.momentum_from_state(m, 5), m)
+  # As a checkpoint restores it: named tuples as plain ones, in any nesting; None holds no array.
+  np.testing.assert_array_equal(outer.momentum_from_state({"opt": [None, tuple(map(tuple, old_entry))]}, 5), m)
   with pytest.raises(ValueError, match="elements"):
     outer.momentum_from_state(m, 6)
   with pytest.raises(ValueError, match="arrays"):

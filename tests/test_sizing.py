@@ -16,6 +16,7 @@ import helpers
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
+from diloco_jax.outer import schedule
 from diloco_jax.compute import model
 from diloco_jax.tools.sim import sizing
 from diloco_jax.tools.sim import syncer_cli
@@ -97,7 +98,7 @@ def test_learner_memory_divides_state_over_parameter_shards():
   ln = sizing.learner_memory(c, sizes)
   assert ln["parameter_shards"] == 8 // 2
   assert ln["state_bytes_per_chip"] == 16 * sum(sizes) // 4
-  in_flight = fragments.in_flight_limit(c.outer.max_in_flight, c.outer.num_fragments, c.outer.sync_every,
+  in_flight = schedule.in_flight_limit(c.outer.max_in_flight, c.outer.num_fragments, c.outer.sync_every,
                                        c.outer.tau)
   assert in_flight == 2 and ln["host_bytes"] == (in_flight + 1) * 4 * max(sizes)
 

@@ -12,6 +12,7 @@ import pytest
 import helpers
 from diloco_jax.outer import codec
 from diloco_jax.outer import merge as outer
+from diloco_jax.tools.bench import outer_reference
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.messages import Push, PushReceipt, Rejected, Transport
@@ -488,9 +489,9 @@ def test_core_rounds_match_the_unfused_outer_math(rda):
                         initial="linspace", max_grace_s=0.0, lease_s=100.0)
   for i in range(3):
     c.join(i, FP)
-  tx = outer.make_outer_optimizer(lr, mu)
+  tx = outer_reference.make_outer_optimizer(lr, mu)
   theta = np.linspace(-1, 1, size, dtype=np.float32)
-  state = outer.init_outer_state(tx, theta)
+  state = outer_reference.init_outer_state(tx, theta)
   rng = np.random.default_rng(0)
   for version in range(2):
     pushes = [helpers.make_push(i, rng.standard_normal(size) * (i + 1) * 0.01, core=c, base_version=version,
@@ -499,7 +500,7 @@ def test_core_rounds_match_the_unfused_outer_math(rda):
       c.push(p)
     decoded = [codec.decode(p.payload, "int4", size) for p in pushes]
     raw = outer.raw_weights([p.tokens for p in pushes], [p.steps for p in pushes])
-    theta, state = outer.outer_step(tx, theta, state, outer.merge(decoded, raw / raw.sum(), rda=rda))
+    theta, state = outer_reference.outer_step(tx, theta, state, outer.merge(decoded, raw / raw.sum(), rda=rda))
     assert c.status()["versions"] == [version + 1]
     np.testing.assert_allclose(global_of(c), theta, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(c.state_dict()["opt_states"][0], jax.tree.leaves(state)[0], rtol=1e-5, atol=1e-7)

@@ -14,7 +14,9 @@ import pytest
 
 import helpers
 from diloco_jax.config import schema as config_lib
+from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import pipeline as data
+from diloco_jax.data import token_windows
 from diloco_jax.data import shards
 from diloco_jax.data import tokenizer
 
@@ -72,7 +74,7 @@ def test_byte_tokenizer_is_the_byte_corpus():
   tok = tokenizer.ByteTokenizer()
   ids = tok.encode(TRICKY)
   np.testing.assert_array_equal(ids, np.frombuffer(TRICKY.encode(), np.uint8))
-  assert tok.decode(ids) == TRICKY and tok.eos_id == data.SEPARATOR
+  assert tok.decode(ids) == TRICKY and tok.eos_id == corpus_lib.SEPARATOR
   assert int(tok.token_bytes[ids].sum()) == len(TRICKY.encode()) - TRICKY.encode().count(0)
 
 
@@ -95,7 +97,7 @@ def test_shards_hold_every_document_once_with_exact_token_counts(token_data):
   # Every file of the corpus is exactly one document of exactly one shard, train and eval disjoint.
   eval_docs, train_docs = decoded[names[0]], [t for n in names[1:] for t in decoded[n]]
   assert collections.Counter(eval_docs + train_docs) == collections.Counter(texts.values())
-  held_out = {n for n in texts if data.is_eval_file(n, 0.05)}
+  held_out = {n for n in texts if corpus_lib.is_eval_file(n, 0.05)}
   if not held_out or len(held_out) == len(texts):
     held_out = {sorted(texts)[-1]}  # the fallback when the hash rule leaves a split empty
   assert sorted(eval_docs) == sorted(texts[n] for n in held_out)
@@ -110,8 +112,8 @@ def test_shards_hold_every_document_once_with_exact_token_counts(token_data):
 
 def test_token_windows_read_each_file_stream_in_order(token_data):
   cfg = data_cfg(token_data, seq_len=64)
-  paths = data.resolve_files(cfg.train_files, "data.train_files")
-  source = data.TokenWindows(paths, 64, helpers.TOKEN_VOCAB)
+  paths = token_windows.resolve_files(cfg.train_files, "data.train_files")
+  source = token_windows.TokenWindows(paths, 64, helpers.TOKEN_VOCAB)
   streams = file_streams(paths)
   assert source.file_tokens == tuple(s.size for s in streams)
   assert len(source) == sum((s.size - 1) // 64 for s in streams)
@@ -128,7 +130,8 @@ def test_token_windows_read_each_file_stream_in_order(token_data):
 
 def test_learner_shards_are_disjoint_and_cover_every_window(token_data):
   cfg, num_shards, batch = data_cfg(token_data, seq_len=32), 3, 8
-  source = data.TokenWindows(data.resolve_files(cfg.train_files, "data.train_files"), 32, helpers.TOKEN_VOCAB)
+  paths = token_windows.resolve_files(cfg.train_files, "data.train_files")
+  source = token_windows.TokenWindows(paths, 32, helpers.TOKEN_VOCAB)
   # Window contents identify windows here (code repeats, so compare multisets, as the byte corpus test does).
   want = collections.Counter(source[i]["tokens"].tobytes() for i in range(len(source)))
   got = collections.Counter()
@@ -151,7 +154,8 @@ def test_learner_shards_are_disjoint_and_cover_every_window(token_data):
 def test_restored_tokenized_iterator_yields_the_same_next_batch(token_data):
   cfg = data_cfg(token_data)
   it = data.train_iterator(cfg, batch_size=4, num_shards=2, shard_index=1, seed=5)
-  n = len(data.TokenWindows(data.resolve_files(cfg.train_files, "x"), cfg.seq_len, helpers.TOKEN_VOCAB))
+  paths = token_windows.resolve_files(cfg.train_files, "x")
+  n = len(token_windows.TokenWindows(paths, cfg.seq_len, helpers.TOKEN_VOCAB))
   for _ in range(n // 2 // 4 + 3):  # past the end of the first epoch of this shard
     next(it)
   state = json.loads(json.dumps(it.get_state()))  # orbax stores it as JSON
@@ -201,9 +205,9 @@ def test_bad_data_config_names_the_field(token_data, tmp_path):
   # Shards made with another tokenizer: their tokens.json says so.
   other = tmp_path / "other"
   shutil.copytree(token_data.shards, other)
-  meta = json.loads((other / data.SHARD_METADATA).read_text())
+  meta = json.loads((other / token_windows.SHARD_METADATA).read_text())
   meta["tokenizer"]["sha256"] = "0" * 64
-  (other / data.SHARD_METADATA).write_text(json.dumps(meta))
+  (other / token_windows.SHARD_METADATA).write_text(json.dumps(meta))
   c = base(); c.data.train_files = f"{other}/train-*.array_record"; _expect(c, "data.train_files")
 
 
@@ -230,7 +234,7 @@ def test_tokenizer_and_tokenize_commands(token_data, tmp_path):
   proc = run("tokenize", "--tokenizer", str(model), "--data", str(token_data.corpus), "--out", str(out),
              "--shards", "3")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  meta = json.loads((out / data.SHARD_METADATA).read_text())
+  meta = json.loads((out / token_windows.SHARD_METADATA).read_text())
   assert sorted(meta["files"]) == ["eval-00000-of-00001.array_record"] + [shards.shard_name("train", i, 3)
                                                                          for i in range(3)]
   assert meta["chunk_tokens"] == shards.CHUNK_TOKENS and meta["vocab_size"] == 600
@@ -238,7 +242,7 @@ def test_tokenizer_and_tokenize_commands(token_data, tmp_path):
   c.data.format, c.data.tokenizer, c.model.vocab_size = "array_record", str(model), 600
   c.data.train_files, c.data.eval_files = f"{out}/train-*.array_record", f"{out}/eval-*.array_record"
   data.check_files(c)
-  assert sum(len(data.TokenWindows([str(out / n)], 64, 600)) for n in meta["files"]) > 100
+  assert sum(len(token_windows.TokenWindows([str(out / n)], 64, 600)) for n in meta["files"]) > 100
 
 
 def test_tokenizer_refuses_a_vocabulary_the_text_cannot_fill(token_data):

@@ -17,7 +17,8 @@ from ml_collections import config_dict
 
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.outer.codec import CODECS
-from diloco_jax.outer.fragments import PLANS, SCHEDULES
+from diloco_jax.outer.fragments import PLANS
+from diloco_jax.outer.schedule import SCHEDULES
 from diloco_jax.outer.merge import MERGE_RULES
 
 OPTIMIZERS = ("adamw", "sgd")

@@ -34,7 +34,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from etils import epath
 
 from diloco_jax import cli
-from diloco_jax.data import pipeline as data_lib
+from diloco_jax.data import corpus
+from diloco_jax.data import token_windows
 from diloco_jax.data import tokenizer as tokenizer_lib
 from diloco_jax.config.schema import ConfigError
 
@@ -99,7 +100,7 @@ def _documents(path: str, eval_fraction: float, max_bytes: int) -> Iterable[tupl
     for rel, text in docs:
       yield from _split_single_file(rel, text, eval_fraction)
     return
-  held_out = {rel for rel in rels if data_lib.is_eval_file(rel, eval_fraction)}
+  held_out = {rel for rel in rels if corpus.is_eval_file(rel, eval_fraction)}
   if not held_out or len(held_out) == len(rels):
     held_out = {rels[-1]}
   for rel, text in docs:
@@ -129,7 +130,7 @@ def write_shards(tok: tokenizer_lib.Tokenizer, data_path: str, out_dir: str, *, 
   if not 0.0 < eval_fraction < 1.0:
     raise ConfigError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
   os.makedirs(out_dir, exist_ok=True)
-  dtype = data_lib.token_dtype(tok.vocab_size)
+  dtype = token_windows.token_dtype(tok.vocab_size)
   writers = {
       split: [ShardWriter(os.path.join(out_dir, shard_name(split, i, n)), dtype, chunk_tokens) for i in range(n)]
       for split, n in (("train", num_shards), ("eval", num_eval_shards))
@@ -155,7 +156,7 @@ def write_shards(tok: tokenizer_lib.Tokenizer, data_path: str, out_dir: str, *, 
       "tokens": {split: sum(files[os.path.basename(w.path)]["tokens"] for w in ws) for split, ws in writers.items()},
       "files": files,
   }
-  with open(os.path.join(out_dir, data_lib.SHARD_METADATA), "w") as f:
+  with open(os.path.join(out_dir, token_windows.SHARD_METADATA), "w") as f:
     json.dump(meta, f, indent=2, sort_keys=True)
   return meta
 
@@ -191,7 +192,7 @@ def main(argv) -> int:
         dest = epath.Path(out)
         dest.mkdir(parents=True, exist_ok=True)
         # tokens.json last: its presence says the shards are complete.
-        names = sorted(meta["files"]) + [data_lib.SHARD_METADATA]
+        names = sorted(meta["files"]) + [token_windows.SHARD_METADATA]
         for name in names:
           epath.Path(local, name).copy(dest / name, overwrite=True)
   except FileNotFoundError as e:

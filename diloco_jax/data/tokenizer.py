@@ -27,10 +27,10 @@ from absl import flags
 from etils import epath
 
 from diloco_jax import cli
+from diloco_jax.data import corpus
 from diloco_jax.config.schema import ConfigError
 
 BYTE_VOCAB_SIZE = 256
-BYTE_SEPARATOR = 0  # the byte-level corpus joins files with this byte (data.SEPARATOR)
 # SentencePiece fields fixed for every model this module trains (see the module docstring).
 _TRAINER_OPTIONS = dict(
     model_type="bpe", byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
@@ -65,7 +65,7 @@ class ByteTokenizer:
   """Token = byte value (vocab 256); the separator byte 0 ends documents and stands for no text."""
 
   vocab_size = BYTE_VOCAB_SIZE
-  eos_id = BYTE_SEPARATOR
+  eos_id = corpus.SEPARATOR
   reference = None
 
   def encode(self, text: str) -> np.ndarray:
@@ -80,7 +80,7 @@ class ByteTokenizer:
   @functools.cached_property
   def token_bytes(self) -> np.ndarray:
     out = np.ones(BYTE_VOCAB_SIZE, np.int64)
-    out[BYTE_SEPARATOR] = 0
+    out[corpus.SEPARATOR] = 0
     return out
 
 

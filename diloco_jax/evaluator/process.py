@@ -33,7 +33,7 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax.outer import placement
+from diloco_jax.compute import plans
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.evaluator import loop
 from diloco_jax.transports import client_flags
@@ -67,7 +67,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
     transport.fingerprint = fingerprint  # an observer never joins: its pulls carry the run's fingerprint
     return transport
 
-  transport = sharded.connect(targets, connect, lambda shards: placement.config_owners(config, shards))
+  transport = sharded.connect(targets, connect, lambda shards: plans.config_owners(config, shards))
   metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.GLOBAL_EVAL_TAGS)
   source = loop.TransportSource(transport, [plan.size(p) for p in range(plan.num_fragments)],
                                 config.outer.codec_block)

@@ -6,7 +6,7 @@ Between two inner steps the loop (never waiting on the network):
      progress_p = theta_p - theta_p(snapshot) are the inner steps taken since the snapshot when
      `outer.keep_local_progress` (the default; without it those tau steps of work are overwritten, as in
      Streaming DiLoCo with alpha = 0). AdamW state is kept;
-  2. for each fragment due at this step (`fragments.due_fragments`: s mod H == offset(p) when periodic),
+  2. for each fragment due at this step (`schedule.due_fragments`: s mod H == offset(p) when periodic),
      computes the outer gradient
      base_p - theta_p on the device into one flat vector, starts its copy to the host, and hands it to
      the comms worker, which encodes, pushes and fetches the merged result in the background.
@@ -66,6 +66,7 @@ import numpy as np
 
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.outer import schedule as schedule_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.compute import trainer as trainer_lib
@@ -204,7 +205,7 @@ class Learner:
     self.pacer = StepPacer.from_config(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.plan_for_config(self.trainer.state.params, config)
-    self.max_in_flight = fragments_lib.in_flight_limit_for(config)
+    self.max_in_flight = schedule_lib.in_flight_limit_for(config)
     mesh, sh = self.trainer.mesh, self.trainer.shardings
     self._fns = [_fragment_fns(self.plan, p, mesh, sh.params) for p in range(self.plan.num_fragments)]
     keys = fragments_lib.leaf_keys(self.trainer.state.params)
@@ -507,7 +508,7 @@ class Learner:
       self.tokens_since[p] += tokens
     self.check_syncer()
     self._adopt_ready(step)
-    due = fragments_lib.due_fragments(self.plan, step)
+    due = schedule_lib.due_fragments(self.plan, step)
     for p in due:
       self._snapshot(p, step)
     if self._absent:

@@ -61,7 +61,7 @@ from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import multihost
-from diloco_jax.outer import placement
+from diloco_jax.compute import plans
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
@@ -165,7 +165,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   if leader:
     transport = sharded.connect(
         targets, lambda target: GrpcTransport.from_config(config, target, token, learner_id, **(tls or {})),
-        lambda shards: placement.config_owners(config, shards))
+        lambda shards: plans.config_owners(config, shards))
   built = []  # the learner, once built: its comms leave (heartbeats stop first, so none rejoins it)
   if channel is not None and leader:
     # A learner out of the run leaves its quorum.

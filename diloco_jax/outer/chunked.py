@@ -6,10 +6,11 @@ bytes of the arrays it must read and write, and host memory never grows by a fra
 
 `run(kernel, size, step, threads, scratch)` calls `kernel(start, stop, buf)` for consecutive ranges of
 `step` elements covering [0, size), where `buf` is a float32 work array of `scratch` elements that the
-kernel may overwrite (one per thread, reused from range to range); with `threads` > 1 the ranges are split into `threads` contiguous runs, each on a
-thread of a shared pool (numpy releases the GIL inside its array operations, so the runs proceed in
-parallel on a host with that many cores). The results come back in range order, whatever the threads,
-so a reduction over them (a sum of squares) does not depend on the thread count.
+kernel may overwrite (one per thread, reused from range to range); with `threads` > 1 the ranges are split
+into `threads` contiguous runs, each on a thread of a shared pool (numpy releases the GIL inside its array
+operations, so the runs proceed in parallel on a host with that many cores). The results come back in
+range order, whatever the threads, so a reduction over them (a sum of squares) does not depend on the
+thread count.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Fragment plans: which parameters travel together, and when each fragment is due.
+"""Fragment plans: which parameters travel together, as one flat float32 vector per fragment.
 
 The parameters (a nested dict pytree, e.g. flax nnx's pure dict; list indices may be int keys) are split
-into P fragments. A learner syncs fragment p every H = `sync_every` inner steps, at the steps s with
-`s % H == offsets[p]`; offsets are spread evenly over H (`round(p * H / P)`) so the network carries one
-fragment at a time instead of the whole model at once (Streaming DiLoCo).
-
-Schedules (`outer.sync_schedule`). `periodic`: the rule above. `front_loaded`: each fragment syncs as
-many times over `train.steps` = T as under `periodic` (so the bytes on the wire are the same), but dense
-early and sparse late: the periodic sync steps x are warped to T (x / T) ** `outer.schedule_power`
-(power 2: the gaps grow linearly, from a few steps to about 2H), rounded, kept at least max(1, tau)
-apart (a fragment is never due again before its last sync was adopted), and their gaps sorted
-ascending, so gaps never shrink (`front_loaded_steps`). The plan then carries every fragment's sync steps.
+into P fragments, each synced on its own schedule (`schedule.py`).
 
 A leaf is named by its path, `"/".join(str(k) for k in keys)`, e.g. `"layers/0/attn/q/kernel"`.
 
@@ -27,26 +18,26 @@ Two plans:
 Splitting. When the groups run out before P fragments (P = H, one fragment due every step, as Decoupled
 DiLoCo does, asks for more fragments than a model has layers), the plan takes the largest P' < P for which
 the rule above fills every fragment with at least half of the final mean (total / P / 2; else simply the
-largest P' it fills: no sliver such as a final norm alone keeps a sync slot to itself), then splits the largest fragment's flat vector in two (ties: the lower
-index; the cut at its middle element, moved to the nearest row boundary of the leaf it falls in when that
-leaves both halves non-empty) and puts the second half right after it, until there are P. A fragment is
-then a list of pieces `(path, start, stop)`: ranges of flattened leaves (`FragmentPlan.ranges`), whole
-leaves unless split. Every element of every leaf is in exactly one fragment; a P that cannot be reached
-(more fragments than elements, or than `sync_every` allows) raises ValueError naming
-`outer.num_fragments`.
+largest P' it fills: no sliver such as a final norm alone keeps a sync slot to itself), then splits the
+largest fragment's flat vector in two (ties: the lower index; the cut at its middle element, moved to the
+nearest row boundary of the leaf it falls in when that leaves both halves non-empty) and puts the second
+half right after it, until there are P. A fragment is then a list of pieces `(path, start, stop)`: ranges
+of flattened leaves (`FragmentPlan.ranges`), whole leaves unless split. Every element of every leaf is in
+exactly one fragment; a P that cannot be reached (more fragments than elements, or than `sync_every`
+allows) raises ValueError naming `outer.num_fragments`.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from diloco_jax.outer import schedule
+
 PLANS = ("strided", "balanced")
-SCHEDULES = ("periodic", "front_loaded")
 _TAIL_PREFIXES = ("final", "lm_head", "head")
 
 
@@ -74,7 +65,7 @@ class FragmentPlan:
     """The most inner steps one sync of a fragment covers under the schedule (H when periodic)."""
     if not self.sync_steps:
       return self.sync_every
-    return max(max(_gaps(steps)) for steps in self.sync_steps)
+    return max(max(schedule.gaps(steps)) for steps in self.sync_steps)
 
   def size(self, p: int) -> int:
     """Number of float elements in fragment p (the length of its flat vector)."""
@@ -116,11 +107,6 @@ def flatten(params: Any) -> dict[str, Any]:
   return {_path_str(keys): leaf for keys, leaf in _iter_leaves(params)}
 
 
-def leaf_paths(params: Any) -> list[str]:
-  """All leaf paths of `params`, sorted."""
-  return sorted(flatten(params))
-
-
 def _group(keys: tuple) -> tuple[str, int | None]:
   """The group a leaf belongs to: ("layers/i", i) for a layer's leaf, else (top-level key, None)."""
   strs = [str(k) for k in keys]
@@ -138,49 +124,14 @@ def _nbytes(leaf: Any) -> int:
   return math.prod(_shape(leaf)) * np.dtype(getattr(leaf, "dtype", np.float32)).itemsize
 
 
-def _gaps(steps: Sequence[int]) -> tuple[int, ...]:
-  """The steps each sync covers: from step 0 to the first, then between consecutive ones."""
-  return tuple(b - a for a, b in zip((0,) + tuple(steps), steps))
-
-
-def periodic_steps(total_steps: int, sync_every: int, offset: int) -> tuple[int, ...]:
-  """The steps in [1, total_steps] a fragment with this offset is due at under the periodic schedule."""
-  return tuple(range(offset or sync_every, total_steps + 1, sync_every))
-
-
-def front_loaded_steps(total_steps: int, sync_every: int, offset: int, power: float,
-                       min_gap: int = 1) -> tuple[int, ...]:
-  """A fragment's sync steps under the front-loaded schedule (module docstring): as many as
-  `periodic_steps`, at round(T (x / T) ** power) for each periodic step x, at least `min_gap` apart, the
-  gaps sorted ascending. Raises ValueError naming outer.schedule_power if they do not fit in T steps."""
-  warped, last = [], 0
-  for x in periodic_steps(total_steps, sync_every, offset):
-    last = max(int(round(total_steps * (x / total_steps) ** power)), last + min_gap)
-    warped.append(last)
-  if warped and warped[-1] > total_steps:
-    raise ValueError(f"outer.schedule_power ({power}) puts {len(warped)} syncs at least {min_gap} steps apart "
-                     f"past train.steps ({total_steps})")
-  return tuple(int(s) for s in np.cumsum(sorted(_gaps(warped))))
-
-
-def schedule_steps(schedule: str, total_steps: int, sync_every: int, offsets: Sequence[int], power: float = 2.0,
-                   min_gap: int = 1) -> tuple[tuple[int, ...], ...]:
-  """Every fragment's sync steps for a non-periodic `schedule`; () for `periodic` (`due_fragments` then
-  needs no table: the schedule repeats every H steps, however long the run)."""
-  if schedule not in SCHEDULES:
-    raise ValueError(f"outer.sync_schedule must be one of {SCHEDULES}, got {schedule!r}")
-  if schedule == "periodic":
-    return ()
-  return tuple(front_loaded_steps(total_steps, sync_every, o, power, min_gap) for o in offsets)
-
-
 def plan_for_config(params: Any, config) -> FragmentPlan:
   """The run's fragment plan for `params` from `config.outer` (and `train.steps` for the schedule): the one
   learners, syncer and evaluator all build."""
   o = config.outer
   plan = make_plan(params, o.num_fragments, o.sync_every, o.fragment_plan)
-  steps = schedule_steps(o.sync_schedule, int(config.train.steps), o.sync_every, plan.offsets,
-                         float(o.schedule_power), min_spacing(o.sync_schedule, o.sync_every, int(o.tau)))
+  steps = schedule.schedule_steps(o.sync_schedule, int(config.train.steps), o.sync_every, plan.offsets,
+                                  float(o.schedule_power), schedule.min_spacing(o.sync_schedule, o.sync_every,
+                                                                                int(o.tau)))
   return dataclasses.replace(plan, sync_steps=steps) if steps else plan
 
 
@@ -284,46 +235,6 @@ def _group_plan(leaves: list[tuple[tuple, Any]], P: int, kind: str) -> list[dict
   if any(not f for f in by_fragment):
     return None
   return by_fragment
-
-
-def min_spacing(schedule: str, sync_every: int, tau: int) -> int:
-  """The fewest inner steps between two syncs of one fragment under `schedule`: H when periodic,
-  max(1, tau) when front-loaded (its first syncs; `front_loaded_steps`' min_gap)."""
-  return sync_every if schedule == "periodic" else max(1, tau)
-
-
-def in_flight_limit(max_in_flight: int, num_fragments: int, sync_every: int, tau: int) -> int:
-  """The fragments a learner may have pushed and not yet adopted: `max_in_flight`, or with 0 what the
-  schedule keeps in flight, ceil(tau x P / H) + 1: a snapshot every H / P steps, each adopted tau steps
-  later, plus one whose sync is still on its way (2 for P = 2, H = 20, tau = 2; tau + 1 for P = H). A
-  smaller limit makes the learner wait at every snapshot. For a non-periodic schedule pass its
-  `min_spacing` as `sync_every` (front-loaded, tau = 2: P + 1)."""
-  if max_in_flight > 0:
-    return max_in_flight
-  return -(-tau * num_fragments // sync_every) + 1
-
-
-def in_flight_limit_for(config) -> int:
-  """`in_flight_limit` of the run's `config.outer`, with its schedule's `min_spacing`: the one limit the
-  learners keep, the syncer sizes its pools for, and the simulators and sizers assume."""
-  o = config.outer
-  return in_flight_limit(int(o.max_in_flight), int(o.num_fragments),
-                         min_spacing(o.sync_schedule, int(o.sync_every), int(o.tau)), int(o.tau))
-
-
-def due_fragments(plan: FragmentPlan, step: int) -> list[int]:
-  """Fragments due at inner step `step` (steps counted from 1; step 0 is the initial state, never due)."""
-  if step <= 0:
-    return []
-  if plan.sync_steps:
-    return [p for p, steps in enumerate(plan.sync_steps) if _contains(steps, step)]
-  phase = step % plan.sync_every
-  return [p for p, o in enumerate(plan.offsets) if o == phase]
-
-
-def _contains(sorted_steps: tuple[int, ...], step: int) -> bool:
-  i = bisect.bisect_left(sorted_steps, step)
-  return i < len(sorted_steps) and sorted_steps[i] == step
 
 
 def gather(plan: FragmentPlan, params: Any, p: int) -> np.ndarray:

@@ -1,9 +1,9 @@
-"""The outer loop's math: outer gradients, merge coefficients, and the Nesterov outer optimizer.
+"""The outer loop's merge: outer gradients, merge weights and coefficients, and a round's fused merge and step.
 
-Pure functions on flat float32 host vectors (one per fragment). The syncer merges and steps in one fused,
-chunked numpy pass in place (`apply_round`); `merge` (numpy) and `outer_step` (the optax optimizer of
-`make_outer_optimizer`, jitted once and run on the host CPU device) are the same math written plainly,
-the reference the fused pass is tested against. The syncer never touches an accelerator.
+Numpy functions on flat float32 host vectors (one per fragment); the syncer never touches an accelerator.
+The syncer merges and steps in one fused, chunked pass in place (`apply_round`, with the step of
+`nesterov.py`); `merge` is the same merge written plainly, and with the optax optimizer of
+`tools/bench/outer_reference.py` the reference the fused pass is tested against.
 
 A round merges pushes j (one period of one learner's work each: `tokens` tokens over `steps` inner steps,
 based on a global version `s` behind) into one outer gradient
@@ -28,16 +28,15 @@ which keeps the merged norm from shrinking like 1/sqrt(M) when the outer gradien
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from diloco_jax.outer import chunked
 from diloco_jax.outer import codec
+from diloco_jax.outer import codec_kernels
+from diloco_jax.outer import fragments
+from diloco_jax.outer import nesterov
 
 MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
 
@@ -125,47 +124,7 @@ def merge(deltas: Sequence[np.ndarray], coefficients: Sequence[float], rda: bool
   return direction * np.float32(radial / dnorm)
 
 
-class OuterState(NamedTuple):
-  """The outer optimizer's state for one fragment."""
-
-  trace: jax.Array  # the Nesterov momentum m
-  pending: jax.Array  # the merged outer gradients since m last moved
-  share: jax.Array  # the share of a full round they hold (a float32 scalar in [0, 1))
-
-
-def make_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformationExtraArgs:
-  """The DiLoCo outer optimizer, SGD with Nesterov momentum, with the momentum moved once per full round
-  of work however many rounds that work arrives in.
-
-  A round that holds a full round's share of the learners' work (`share` = 1: K = M, or any round when
-  partial rounds are not scaled) takes the plain Nesterov step, m <- mu m + g, theta <- theta - lr (g +
-  mu m). A partial round (share < 1, e.g. one learner of four under K = 1) applies its gradient part
-  -lr g at once, and adds g to a pending sum; when the pending rounds add up to a full share, the
-  momentum moves once with their sum, m <- mu m + sum g, and theta <- theta - lr mu m. So the outer
-  trajectory does not depend on how a period of work is split into rounds: four quarter rounds move the
-  model as one full round with their sum would, instead of decaying the momentum four times per period
-  and amplifying every stale single-learner gradient through it (the momentum is where staleness hurts;
-  delayed Nesterov momentum, as in asynchronous Local-SGD).
-  """
-
-  def init(params):
-    return OuterState(jnp.zeros_like(params), jnp.zeros_like(params), jnp.zeros([], jnp.float32))
-
-  def update(grads, state, params=None, *, share=1.0, **extra):
-    del params, extra
-    pending = state.pending + grads
-    total = state.share + jnp.asarray(share, jnp.float32)
-    full = total >= 1.0 - _SHARE_EPS
-    trace = jnp.where(full, momentum * state.trace + pending, state.trace)
-    updates = -lr * (grads + jnp.where(full, momentum * trace, jnp.zeros_like(trace)))
-    carry = jnp.maximum(total - jnp.floor(total + _SHARE_EPS), 0.0)  # a share beyond a full round
-    return updates, OuterState(trace, jnp.where(full, jnp.zeros_like(pending), pending),
-                               jnp.where(full, carry, total))
-
-  return optax.GradientTransformationExtraArgs(init, update)
-
-
-_SHARE_EPS = 1e-4  # shares are sums of token ratios: 0.25 * 4 must count as a full round
+SHARE_EPS = 1e-4  # shares are sums of token ratios: 0.25 * 4 must count as a full round
 
 
 # A round whose values provably stay below this (a margin of 2^8 under float32's largest value, far more
@@ -198,14 +157,14 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
   """One round's merge and outer step, in place and in one chunked pass (no fragment-sized temporary):
 
       g = scale * merge([decode(p) for p in payloads], weights, rda)
-      global_vec, momentum <- the step of `make_outer_optimizer(lr, mu)` with gradient g
+      global_vec, momentum <- the delayed Nesterov step with gradient g (`nesterov.delayed_nesterov_step_`)
 
-  the same as `merge` + `outer_step` on the decoded vectors up to float32 rounding (the weights are folded
-  into the per-block scales; the step itself is `delayed_nesterov_step_`, with `opened` and `full` as
-  there: the defaults take the plain Nesterov step, a round holding a full share of work with nothing
-  pending). Each chunk of the fragment is decoded,
-  weighted and summed over the contributions in the cache, then stepped; with `threads` > 1 the chunks are
-  shared among that many threads, with results that do not depend on the thread count.
+  the same as `merge` + the reference optimizer's step on the decoded vectors up to float32 rounding (the
+  weights are folded into the per-block scales; `opened` and `full` as in the step: the defaults take the
+  plain Nesterov step, a round holding a full share of work with nothing pending). Each chunk of the
+  fragment is decoded, weighted and summed over the contributions in the cache, then stepped; with
+  `threads` > 1 the chunks are shared among that many threads, with results that do not depend on the
+  thread count.
 
   All or nothing: if g, the new global or the new momentum would hold a non-finite value, nothing is
   written (the result's `nonfinite` says what). The one pass writes in place only when the inputs prove
@@ -219,6 +178,22 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
   (`codec.norm`); needed with `rda` (radial-directional averaging: the merged norm takes a first pass over
   the payloads). `global_vec`, `momentum`: writable float32 vectors of the fragment's size.
   """
+  encs, w, norms = _round_inputs(global_vec, momentum, payloads, weights, norms, codec_name, block)
+  grad = _merged_gradient(encs, w, norms, rda, scale, block, threads)
+  step = _OuterStep(np.float32(lr), np.float32(mu), opened, full)
+  checked = not _provably_finite(grad.coeffs, norms, grad.factor, state_norms, lr, mu, opened, full)
+  if checked:
+    bad = _nonfinite_parts(grad, step, global_vec, momentum, threads)
+    if bad:
+      return RoundResult(nonfinite=bad, checked=True)
+  global_norm, momentum_norm = _step_in_place(grad, step, global_vec, momentum, threads)
+  return RoundResult(nonfinite=(), global_norm=global_norm, momentum_norm=momentum_norm, checked=checked)
+
+
+def _round_inputs(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence[bytes | codec.Encoded],
+                  weights: Sequence[float], norms: Sequence[float] | None, codec_name: str,
+                  block: int) -> tuple[list[codec.Encoded], np.ndarray, np.ndarray | None]:
+  """`apply_round`'s inputs checked: (the parsed payloads, the weights normalized, the norms as float64)."""
   n = global_vec.size
   for name, arr in (("global_vec", global_vec), ("momentum", momentum)):
     if arr.dtype != np.float32 or arr.shape != (n,) or not arr.flags.writeable:
@@ -231,80 +206,116 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
   w = np.asarray(weights, np.float64)
   if (w < 0).any() or w.sum() <= 0:
     raise ValueError(f"weights must be >= 0 with a positive sum, got {w}")
-  w = w / w.sum()
   if norms is not None:
     norms = np.asarray(norms, np.float64)
     if norms.shape != (len(encs),):
       raise ValueError(f"need one norm per payload, got {norms.shape[0] if norms.ndim else 0}")
-  step = codec.chunk_elems(block)
-  work = codec.scratch_elems(block)
-  lr32, mu32, scale32 = np.float32(lr), np.float32(mu), np.float32(scale)
+  return encs, w / w.sum(), norms
 
-  def direction(a, b, buf):
-    """The chunk [a, b) of sum_i coeffs_i * decode(payload_i), in buf[work:]."""
-    g = buf[work:work + b - a]
+
+@dataclasses.dataclass(frozen=True)
+class _Gradient:
+  """A round's merged outer gradient, chunk by chunk: factor * sum_i coeffs_i * decode(payload_i). A chunk
+  kernel's buffer holds the decode's scratch (`work` elements) first, then the chunk's gradient."""
+
+  encs: Sequence[codec.Encoded]
+  coeffs: np.ndarray
+  chunk: int  # elements per chunk
+  work: int
+  factor: np.float32 = np.float32(1)
+
+  def __call__(self, a: int, b: int, buf: np.ndarray) -> np.ndarray:
+    """The chunk [a, b), in buf[work:]."""
+    g = buf[self.work:self.work + b - a]
     written = False
-    for enc, c in zip(encs, coeffs):
+    for enc, c in zip(self.encs, self.coeffs):
       if c != 0:
-        codec.decode_range(enc, a, b, g, buf[:work], weight=c, accumulate=written)
+        codec_kernels.decode_range(enc, a, b, g, buf[:self.work], weight=c, accumulate=written)
         written = True
     if not written:
       g[:] = 0
+    if self.factor != 1:
+      g *= self.factor
     return g
 
-  if not rda:
-    coeffs, factor = w, scale32
-  else:
-    if norms is None:
-      raise ValueError("rda needs one norm per payload")
-    radial = float((w * norms).sum())
-    coeffs = np.where(norms > 0, w / np.where(norms > 0, norms, 1.0), 0.0)  # unit(0) = 0
-    # The direction's norm needs the whole vector before any step: a first pass, reading only payloads.
-    def squares(a, b, buf):
-      v = direction(a, b, buf).astype(np.float64)
-      return float(v @ v)
 
-    with np.errstate(over="ignore", invalid="ignore"):
-      sq = chunked.run(squares, n, step, threads, work + step)
-      dnorm = float(np.sqrt(sum(sq)))
-      factor = np.float32(radial / dnorm) * scale32 if dnorm > 0 else np.float32(0)
+def _merged_gradient(encs: Sequence[codec.Encoded], w: np.ndarray, norms: np.ndarray | None, rda: bool,
+                     scale: float, block: int, threads: int) -> _Gradient:
+  """The round's gradient: the weighted sum times `scale`, or with `rda` its radial-directional form, whose
+  factor (the radial norm over the direction's norm) takes a first pass over the payloads."""
+  grad = _Gradient(encs, w, codec_kernels.chunk_elems(block), codec_kernels.scratch_elems(block))
+  scale32 = np.float32(scale)
+  if not rda:
+    return dataclasses.replace(grad, factor=scale32)
+  if norms is None:
+    raise ValueError("rda needs one norm per payload")
+  radial = float((w * norms).sum())
+  coeffs = np.where(norms > 0, w / np.where(norms > 0, norms, 1.0), 0.0)  # unit(0) = 0
+  direction = dataclasses.replace(grad, coeffs=coeffs)
+
+  def squares(a, b, buf):
+    v = direction(a, b, buf).astype(np.float64)
+    return float(v @ v)
+
+  with np.errstate(over="ignore", invalid="ignore"):
+    sq = chunked.run(squares, encs[0].size, grad.chunk, threads, grad.work + grad.chunk)
+    dnorm = float(np.sqrt(sum(sq)))
+    factor = np.float32(radial / dnorm) * scale32 if dnorm > 0 else np.float32(0)
+  return dataclasses.replace(direction, factor=factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OuterStep:
+  """The round's delayed Nesterov step on one chunk (`nesterov.delayed_nesterov_step_`)."""
+
+  lr: np.float32
+  mu: np.float32
+  opened: bool
+  full: bool
+
+  def __call__(self, theta: np.ndarray, m: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
+    nesterov.delayed_nesterov_step_(theta, m, g, self.lr, self.mu, opened=self.opened, full=self.full, out=out)
+
+
+_ROUND_PARTS = ("merged outer gradient", "new global fragment", "outer optimizer state")
+
+
+def _nonfinite_parts(grad: _Gradient, step: _OuterStep, global_vec: np.ndarray, momentum: np.ndarray,
+                     threads: int) -> tuple[str, ...]:
+  """The parts of the round (`_ROUND_PARTS`) that would hold a non-finite value, from a read-only pass that
+  computes each chunk's gradient and new state as `_step_in_place` does, into copies (nothing written)."""
+  c, work = grad.chunk, grad.work
 
   def stepped(a, b, buf):
-    """Whether the chunk's merged gradient, new global and new optimizer state are finite: computed as
-    `kernel` does, into copies in buf (nothing written)."""
     with np.errstate(over="ignore", invalid="ignore"):  # per thread: overflow is what this looks for
-      g = direction(a, b, buf)
-      if factor != 1:
-        g *= factor
-      new_global = buf[work + step:work + step + b - a]
-      new_momentum = buf[work + 2 * step:work + 2 * step + b - a]
+      g = grad(a, b, buf)
+      new_global = buf[work + c:work + c + b - a]
+      new_momentum = buf[work + 2 * c:work + 2 * c + b - a]
       np.copyto(new_global, global_vec[a:b])
       np.copyto(new_momentum, momentum[a:b])
-      delayed_nesterov_step_(new_global, new_momentum, g, lr32, mu32, opened=opened, full=full, out=buf[:b - a])
+      step(new_global, new_momentum, g, out=buf[:b - a])
       return (bool(np.isfinite(g).all()), bool(np.isfinite(new_global).all()),
               bool(np.isfinite(new_momentum).all()))
 
+  ok = np.array(chunked.run(stepped, global_vec.size, c, threads, work + 3 * c)).reshape(-1, 3).all(axis=0)
+  return tuple(name for name, fine in zip(_ROUND_PARTS, ok) if not fine)
+
+
+def _step_in_place(grad: _Gradient, step: _OuterStep, global_vec: np.ndarray, momentum: np.ndarray,
+                   threads: int) -> tuple[float, float]:
+  """The round written: each chunk's gradient computed and stepped in place. Returns the L2 norms of the new
+  global and momentum (float32 sums of squares per chunk, added in float64)."""
+
   def kernel(a, b, buf):
-    """The chunk stepped in place; returns the float32 sums of squares of its new global and momentum."""
-    g = direction(a, b, buf)
-    if factor != 1:
-      g *= factor
+    g = grad(a, b, buf)
     theta, m = global_vec[a:b], momentum[a:b]
-    delayed_nesterov_step_(theta, m, g, lr32, mu32, opened=opened, full=full, out=buf[:b - a])
+    step(theta, m, g, out=buf[:b - a])
     with np.errstate(over="ignore"):  # a finite but huge result: its norm is inf (the next round checks)
       return float(np.dot(theta, theta)), float(np.dot(m, m))
 
-  checked = not _provably_finite(coeffs, norms, factor, state_norms, lr, mu, opened, full)
-  if checked:
-    ok = np.array(chunked.run(stepped, n, step, threads, work + 3 * step)).reshape(-1, 3).all(axis=0)
-    names = ("merged outer gradient", "new global fragment", "outer optimizer state")
-    bad = tuple(name for name, fine in zip(names, ok) if not fine)
-    if bad:
-      return RoundResult(nonfinite=bad, checked=True)
-  sums = np.array(chunked.run(kernel, n, step, threads, work + step), np.float64).reshape(-1, 2).sum(axis=0)
-  return RoundResult(nonfinite=(), global_norm=float(np.sqrt(sums[0])), momentum_norm=float(np.sqrt(sums[1])),
-                     checked=checked)
-
+  sums = chunked.run(kernel, global_vec.size, grad.chunk, threads, grad.work + grad.chunk)
+  sums = np.array(sums, np.float64).reshape(-1, 2).sum(axis=0)
+  return float(np.sqrt(sums[0])), float(np.sqrt(sums[1]))
 
 def _provably_finite(coeffs, norms, factor, state_norms, lr: float, mu: float, opened: bool = False,
                      full: bool = True) -> bool:
@@ -326,108 +337,19 @@ def _provably_finite(coeffs, norms, factor, state_norms, lr: float, mu: float, o
 def share_after(pending_share: float, share: float) -> tuple[bool, float]:
   """(full, the pending share after): whether a round holding `share` of a full round's work, with
   `pending_share` already pending, completes a full share (the momentum moves), and what stays pending
-  (beyond a full round, the excess; `make_outer_optimizer` computes the same in float32)."""
+  (beyond a full round, the excess; the reference optimizer computes the same in float32). A full share
+  takes the full delayed Nesterov step (`nesterov.delayed_nesterov_step_`)."""
   total = pending_share + share
-  if total >= 1.0 - _SHARE_EPS:
-    return True, max(total - float(np.floor(total + _SHARE_EPS)), 0.0)
+  if total >= 1.0 - SHARE_EPS:
+    return True, max(total - float(np.floor(total + SHARE_EPS)), 0.0)
   return False, total
-
-
-def nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
-                   out: np.ndarray | None = None) -> None:
-  """The Nesterov SGD step of `make_outer_optimizer(lr, mu)` in place, in float32:
-
-      momentum <- grad + mu * momentum;   global_vec <- global_vec - lr * (grad + mu * momentum)
-
-  the operations optax's `sgd(nesterov=True)` performs (trace, then scale by -lr, then add), in the same
-  order. `out`: an optional float32 work array of grad's size (else one is allocated). `grad` is kept."""
-  delayed_nesterov_step_(global_vec, momentum, grad, lr, mu, out=out)
-
-
-def delayed_nesterov_step_(global_vec: np.ndarray, momentum: np.ndarray, grad: np.ndarray, lr: float, mu: float,
-                           *, opened: bool = False, full: bool = True, out: np.ndarray | None = None) -> None:
-  """The step of `make_outer_optimizer(lr, mu)` in place, in float32, with its pending sum folded into the
-  momentum vector (no extra fragment-sized buffer). A cycle of work opens with its first round, which
-  takes m <- mu m + g as the plain step does; the rounds after it in the same cycle (`opened`) add,
-  m <- m + g; so once the cycle's shares add up to a full round, m = mu m_before + sum g, the optimizer's
-  momentum. The round that completes it (`full`) steps with it, global <- global - lr (g + mu m); a
-  partial round applies its gradient alone, global <- global - lr g. The defaults (a new cycle, full) are
-  optax's `sgd(nesterov=True)` step, in the same order of operations. In between, the stored momentum is
-  the optimizer's momentum times mu plus the pending sum (`OuterState.trace`, `.pending`): what the next
-  full round needs. `out`: an optional float32 work array of grad's size (else one is allocated); `grad`
-  is kept."""
-  mu, lr = np.float32(mu), np.float32(lr)
-  tmp = np.empty_like(grad) if out is None else out
-  if not opened:
-    np.multiply(momentum, mu, out=momentum)
-  np.add(momentum, grad, out=momentum)
-  if full:
-    np.multiply(momentum, mu, out=tmp)
-    np.add(tmp, grad, out=tmp)
-  else:
-    np.copyto(tmp, grad)
-  np.multiply(tmp, lr, out=tmp)
-  np.subtract(global_vec, tmp, out=global_vec)
-
-
-def _cpu() -> jax.Device:
-  return jax.devices("cpu")[0]
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted_step(tx: optax.GradientTransformationExtraArgs):
-  # One jitted function per optimizer (jax caches the compilation per shape); lru_cache keeps tx alive.
-  def step(params, opt_state, grad, share):
-    updates, opt_state = tx.update(grad, opt_state, params, share=share)
-    return optax.apply_updates(params, updates), opt_state
-  return jax.jit(step)
-
-
-def init_outer_state(tx: optax.GradientTransformation, global_vec: np.ndarray) -> Any:
-  """The outer optimizer state for one fragment, on the host CPU device."""
-  return tx.init(jax.device_put(np.asarray(global_vec, np.float32), _cpu()))
-
-
-def outer_step(
-    tx: optax.GradientTransformationExtraArgs, global_vec: np.ndarray, opt_state: Any, merged_delta: np.ndarray,
-    share: float = 1.0,
-) -> tuple[np.ndarray, Any]:
-  """One outer step: the merged outer gradient is the optimizer's gradient, `share` the share of a full
-  round of work the round held (`make_outer_optimizer`). Returns the new global fragment (a float32 numpy
-  array) and the new optimizer state (on the host CPU device)."""
-  global_vec = np.asarray(global_vec, np.float32)
-  merged_delta = np.asarray(merged_delta, np.float32)
-  if global_vec.shape != merged_delta.shape:
-    raise ValueError(f"global {global_vec.shape} and merged delta {merged_delta.shape} differ in shape")
-  if not (np.isfinite(share) and share >= 0):
-    raise ValueError(f"a round's share must be finite and >= 0, got {share}")
-  params, opt_state, grad, share = jax.device_put((global_vec, opt_state, merged_delta, np.float32(share)), _cpu())
-  new_params, new_state = _jitted_step(tx)(params, opt_state, grad, share)
-  return np.array(new_params, np.float32), new_state
-
-
-def state_to_numpy(opt_state: Any) -> Any:
-  """The optimizer state with every array copied to a numpy array (for checkpoints)."""
-  return jax.tree.map(lambda x: np.array(x), opt_state)
-
-
-def state_from_numpy(tx: optax.GradientTransformation, global_vec: np.ndarray, saved: Any) -> Any:
-  """An optimizer state of the structure `tx` builds for `global_vec`, with the leaves of `saved`."""
-  template = init_outer_state(tx, global_vec)
-  treedef = jax.tree.structure(template)
-  leaves = jax.tree.leaves(saved)
-  if len(leaves) != treedef.num_leaves:
-    raise ValueError(f"saved outer state has {len(leaves)} arrays, the optimizer needs {treedef.num_leaves}")
-  for got, want in zip(leaves, jax.tree.leaves(template)):
-    if np.shape(got) != np.shape(want):
-      raise ValueError(f"saved outer state array of shape {np.shape(got)}, expected {np.shape(want)}")
-  return jax.device_put(jax.tree.unflatten(treedef, leaves), _cpu())
 
 
 def momentum_from_state(saved: Any, size: int) -> np.ndarray:
   """A fragment's Nesterov momentum (a writable float32 vector) from a checkpoint's entry: the vector, or
-  the optax state tree that older syncer checkpoints hold (its one array is the trace)."""
-  leaves = jax.tree.leaves(saved)
+  the optax state tree that older syncer checkpoints hold (nested tuples, lists or dicts of arrays whose one
+  array is the trace; None holds none, as in a jax pytree)."""
+  leaves = [leaf for leaf in fragments.flatten(saved).values() if leaf is not None]
   if len(leaves) != 1:
     raise ValueError(f"saved outer state has {len(leaves)} arrays, the Nesterov step keeps 1 (the momentum)")
   momentum = np.array(leaves[0], np.float32).reshape(-1)

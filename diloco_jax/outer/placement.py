@@ -2,17 +2,14 @@
 
 A sharded syncer is S ordinary syncer processes (`syncer --shard I --shards S`), each owning a set of whole
 fragments. Every process of a run (each shard, each learner, the evaluator, `status`) computes the same map
-from the config's fragment plan, so nothing about the placement travels on the wire; a call that reaches
-the wrong shard anyway is refused ("wrong_shard"). The simulator's sizing (`sim/syncer.py`) uses the same
-function.
+from the config's fragment plan (`compute/plans.config_owners`), so nothing about the placement travels on
+the wire; a call that reaches the wrong shard anyway is refused ("wrong_shard"). The simulator's sizing
+(`tools/sim/syncer.py`) uses the same function.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-from diloco_jax.outer import fragments
-from diloco_jax.compute import model
 
 
 def assign_shards(weights: Sequence[int], shards: int) -> list[list[int]]:
@@ -37,16 +34,3 @@ def shard_of(sizes: Sequence[int], shards: int) -> list[int]:
     for p in fragments:
       out[p] = s
   return out
-
-
-def fragment_sizes(config) -> list[int]:
-  """Elements per fragment of the run's fragment plan, from the model's abstract shapes (nothing
-  allocated)."""
-  o = config.outer
-  plan = fragments.make_plan(model.abstract_params(config.model), o.num_fragments, o.sync_every, o.fragment_plan)
-  return [plan.size(p) for p in range(plan.num_fragments)]
-
-
-def config_owners(config, shards: int) -> list[int]:
-  """The shard owning each fragment of `config`'s run with `shards` syncer shards."""
-  return shard_of(fragment_sizes(config), shards)

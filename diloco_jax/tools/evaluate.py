@@ -28,6 +28,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.runs import export as export_lib
 from diloco_jax.compute import inner
@@ -60,7 +61,7 @@ def text_windows(tok: tokenizer_lib.Tokenizer, texts: Iterable[str], seq_len: in
   `seq_len + 1` tokens overlapping by one, then the rest (if it predicts anything) as a shorter one."""
   stream = np.concatenate([np.append(ids, tok.eos_id).astype(np.int32)
                            for ids in tok.encode_many(list(texts))] or [np.zeros(0, np.int32)])
-  source = data_lib.PackedWindows(stream, seq_len)
+  source = corpus_lib.PackedWindows(stream, seq_len)
   windows = [source[i]["tokens"] for i in range(len(source))]
   rest = stream[len(source) * seq_len:]
   if rest.size >= 2:

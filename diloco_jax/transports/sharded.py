@@ -55,7 +55,7 @@ def parse_targets(text: str) -> list[str]:
 def connect(targets: Sequence[str], make: Callable[[str], Transport],
             owners: Callable[[int], Sequence[int]] | None = None) -> Transport:
   """`make(target)` for one syncer; for several, a ShardedTransport over them, routed by `owners(S)` (the
-  shard of each fragment: `placement.config_owners`; None for clients that only read the status)."""
+  shard of each fragment: `plans.config_owners`; None for clients that only read the status)."""
   if len(targets) == 1:
     return make(targets[0])
   return ShardedTransport([make(t) for t in targets], None if owners is None else owners(len(targets)))

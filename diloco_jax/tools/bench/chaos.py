@@ -44,7 +44,7 @@ from absl import flags
 
 from diloco_jax.tools import chaos
 from diloco_jax import cli
-from diloco_jax.outer import fragments
+from diloco_jax.outer import schedule
 from diloco_jax.runs import local as launch_local
 from diloco_jax.tools.sim import goodput as sim_goodput
 
@@ -196,7 +196,7 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
                                       inner_steps=o.sync_every, fragments=o.num_fragments, tau=o.tau,
                                       min_quorum=o.min_quorum or learners, max_grace_s=o.max_grace_s,
                                       grace_gamma=o.grace_gamma,
-                                      max_in_flight=fragments.in_flight_limit_for(config),
+                                      max_in_flight=schedule.in_flight_limit_for(config),
                                       t_sync_s=0.005, snapshot_s=0.0, **common),
   }
 

@@ -43,7 +43,7 @@ from absl import flags
 from diloco_jax.runs import baseline
 from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
-from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.outer import schedule as schedule_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.runs import local as launch_local
 from diloco_jax import metrics as metrics_lib
@@ -195,7 +195,7 @@ def simulated(config, setting: str, speeds: tuple[float, ...], step_cv: float, s
       step_s=step_s, step_cv=step_cv, inner_steps=o.sync_every, fragments=o.num_fragments, snapshot_s=0.0,
       t_sync_s=t_sync_s, min_quorum=o.min_quorum or m, tau=o.tau, grace_gamma=o.grace_gamma,
       max_grace_s=o.max_grace_s,
-      max_in_flight=fragments_lib.in_flight_limit_for(config),
+      max_in_flight=schedule_lib.in_flight_limit_for(config),
       groups=groups, max_pushes=20_000)
   cfg = sim_goodput.with_quorum_setting(cfg, setting)
   return sim_goodput.simulate(cfg, repeats=repeats).goodput, sim_goodput.lockstep_goodput(cfg)

@@ -11,7 +11,7 @@ Measured side by side in one process, each round timed in wall-clock and in this
 (all threads):
 
   unfused    the arithmetic the core used before the chunked merge path: per push CRC, a full decode
-             and a finiteness check; at the close `outer.merge` over the decoded vectors, `outer.outer_step`
+             and a finiteness check; at the close `outer.merge` over the decoded vectors, `outer_reference.outer_step`
              (optax, jitted on the CPU), and the downlink as separate encode / decode / add steps (fp32:
              the answer's bytes from the new global). Without the merge-safety checks (a norm per push,
              a finiteness check of the result), which the fused path pays for: a strict baseline.
@@ -44,6 +44,7 @@ from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import merge as outer
+from diloco_jax.tools.bench import outer_reference
 from diloco_jax.outer.codec import CODECS
 from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore
@@ -90,9 +91,9 @@ class Unfused:
 
   def __init__(self, initial: np.ndarray, up: str, down: str, block: int):
     self.up, self.down, self.block = up, down, block
-    self.tx = outer.make_outer_optimizer(LR, MOMENTUM)
+    self.tx = outer_reference.make_outer_optimizer(LR, MOMENTUM)
     self.theta = initial.copy()
-    self.opt_state = outer.init_outer_state(self.tx, self.theta)
+    self.opt_state = outer_reference.init_outer_state(self.tx, self.theta)
     self.ref = initial.copy()
 
   def round(self, payloads: list[bytes], tokens: list[int]) -> bytes:
@@ -105,7 +106,7 @@ class Unfused:
       deltas.append(delta)
     raw = outer.raw_weights(tokens, [1] * len(tokens))
     merged = outer.merge(deltas, outer.merge_coefficients(raw, float(raw.sum()), len(tokens)))
-    self.theta, self.opt_state = outer.outer_step(self.tx, self.theta, self.opt_state, merged)
+    self.theta, self.opt_state = outer_reference.outer_step(self.tx, self.theta, self.opt_state, merged)
     if self.down == "fp32":
       return codec_lib.encode(self.theta, "fp32")
     payload = codec_lib.encode(self.theta - self.ref, self.down, self.block)

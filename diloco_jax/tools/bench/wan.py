@@ -68,7 +68,7 @@ from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
 from diloco_jax.outer import codec as codec_lib  # noqa: E402
-from diloco_jax.outer import fragments  # noqa: E402
+from diloco_jax.outer import schedule  # noqa: E402
 from diloco_jax.compute import model as model_lib  # noqa: E402
 from diloco_jax.compute import trainer as trainer_lib  # noqa: E402
 from diloco_jax.learner import loop as loop_lib  # noqa: E402
@@ -98,7 +98,7 @@ def modes(config, int4: bool = True) -> list[Mode]:
   """all-at-once, streaming + overlap, and optionally streaming + overlap with int4 both ways."""
   o = config.outer
   tau = max(int(o.tau), 1)
-  in_flight = max(fragments.in_flight_limit(int(o.max_in_flight), o.num_fragments, o.sync_every, tau), 2)
+  in_flight = max(schedule.in_flight_limit(int(o.max_in_flight), o.num_fragments, o.sync_every, tau), 2)
   out = [Mode("all-at-once", 1, 0, 1, "fp32", "fp32"),
          Mode("streaming", None, tau, in_flight, "fp32", "fp32")]
   if int4:
@@ -277,7 +277,7 @@ def paper_mode(config) -> Mode:
   o = config.outer
   tau = max(int(o.tau), 1)
   h = int(o.sync_every)
-  return Mode("paper", h, tau, fragments.in_flight_limit(int(o.max_in_flight), h, h, tau), "int4", "int4")
+  return Mode("paper", h, tau, schedule.in_flight_limit(int(o.max_in_flight), h, h, tau), "int4", "int4")
 
 
 def paper_link(params: int, workers: int, bare_step_s: float) -> float:

@@ -9,7 +9,7 @@ K < M: no extra vector), the downlink references (only with a lossy
 more than one; with fp32 the reference is the global fragment itself) and the cached fp32 answer to full
 pulls (joins, restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
 has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
-`fragments.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
+`schedule.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
 fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
 downlinks, the commands in docs/tpu.md): a checkpoint held three extra copies of the checkpointed vectors
 (the state dict's copy, the save's copy, the writer's buffers; the save's copy is gone since, so two,
@@ -31,6 +31,7 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import fragments
+from diloco_jax.outer import schedule
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model
 
@@ -121,8 +122,8 @@ def downlink_history(config, learners: int) -> int:
 
 
 def in_flight(config) -> int:
-  """Fragments a learner of `config` may have pushed and not yet adopted (`fragments.in_flight_limit_for`)."""
-  return fragments.in_flight_limit_for(config)
+  """Fragments a learner of `config` may have pushed and not yet adopted (`schedule.in_flight_limit_for`)."""
+  return schedule.in_flight_limit_for(config)
 
 
 def syncer_disk_bytes(config, sizes) -> int:

@@ -68,7 +68,7 @@ class Setup:
   codec: str  # uplink
   downlink_codec: str
   block: int
-  max_in_flight: int  # per learner (`fragments.in_flight_limit`)
+  max_in_flight: int  # per learner (`schedule.in_flight_limit`)
   downlink_history: int = 1  # references kept per fragment with a lossy downlink
 
   def fragment_memory(self, n: int) -> dict[str, int]:
