@@ -44,7 +44,7 @@ class FakeClock:
 
 def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str = "fp32", block: int = 64,
               k: int = 1, max_grace_s: float = 0.0, lr: float = 0.7, momentum: float = 0.9,
-              initial: Sequence[np.ndarray] | str = "random", clock=None, fingerprint: str = FP,
+              initial: Sequence[np.ndarray] | str = "random", clock=None, fingerprint: str = FP, tape=None,
               **settings) -> SyncerCore:
   """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
   "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
@@ -61,7 +61,7 @@ def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str
             "linspace": lambda n: np.linspace(-1, 1, n, dtype=np.float32)}[initial]
     initial = [make(n) for n in sizes]
   kwargs = {} if clock is None else {"clock": clock}
-  return SyncerCore(s, list(initial), **kwargs)
+  return SyncerCore(s, list(initial), tape=tape, **kwargs)
 
 
 def make_push(learner: int, delta, *, core: SyncerCore | None = None, fragment: int = 0, base_version: int = 0,

@@ -42,6 +42,7 @@ from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint as syncer_checkpoint
 from diloco_jax.syncer.monitor import SyncerMonitor
+from diloco_jax.syncer.tape import Tape
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport
 
@@ -58,17 +59,18 @@ class InProcessRun:
       (`syncer/syncer_checkpoints/`, the decision records `syncer/rounds.jsonl`); None: nothing on disk.
     learner_ids: which learners to create (default: all `learners.num`); each gets its devices
       (`config.learner_devices`), carved in order from `devices` (default `jax.devices()`).
+    tape: a `syncer.tape.Tape` the core records its steps on (`python -m diloco_jax replay`).
 
   `global_eval` evaluates the global model on `evaluator_devices`.
   """
 
   def __init__(self, config, workdir: str | pathlib.Path | None, *, learner_ids: Sequence[int] | None = None,
-               devices: Sequence[jax.Device] | None = None, run_id: str = RUN_ID):
+               devices: Sequence[jax.Device] | None = None, run_id: str = RUN_ID, tape=None):
     self.config = config
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
     slices = mesh_lib.carve_slices(devices or jax.devices(), [config_lib.learner_devices(config, i) for i in ids])
-    self.core, self.fingerprint = build.build_core(config, run_id)
+    self.core, self.fingerprint = build.build_core(config, run_id, tape=tape)
     self.global_eval = eval_loop.GlobalEval(config, evaluator_devices(config, [d for s in slices for d in s]))
     self._syncer_ckpt = None
     self.resumed = False
@@ -115,6 +117,7 @@ class InProcessRun:
     if self._syncer_ckpt is not None:
       syncer_checkpoint.save_core(self._syncer_ckpt, self.core, rounds=self.core.rounds_closed())
       self._syncer_ckpt.close()
+    self.core.close_tape()
 
 
 def evaluator_devices(config, used: Sequence[jax.Device]) -> list[jax.Device]:
@@ -141,12 +144,12 @@ class CoreSource:
     return fragments, list(self.core.status()["versions"])
 
 
-def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> dict:
+def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=None) -> dict:
   """Train M learners with the syncer core in this process; returns the summary (also summary.json). With
   `export`, the global model goes to `<workdir>/model` (`python -m diloco_jax eval/sample --model`)."""
   t0 = time.perf_counter()
   num = config.learners.num
-  job = InProcessRun(config, workdir)
+  job = InProcessRun(config, workdir, tape=tape)
   learners, plan = job.learners, job.plan
   params = learners[0].trainer.num_params
   config_lib.save_resolved(config, workdir, RUN_ID)
@@ -245,6 +248,8 @@ def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).",
                       flag_values=fv, required=True)
   flags.DEFINE_bool("export", True, "export the global model to WORKDIR/model at the end", flag_values=fv)
+  flags.DEFINE_string("record-tape", None, "append every step of the syncer's state machine to this file "
+                      "(`python -m diloco_jax replay --tape FILE` replays it bit for bit)", flag_values=fv)
 
 
 def main(argv) -> int:
@@ -254,5 +259,5 @@ def main(argv) -> int:
   # The learners' slices and the evaluator's.
   need = sum(config_lib.learner_devices(c, i) for i in range(c.learners.num)) + config_lib.learner_devices(c, 0)
   config = cli.validated(c, len(cli.devices(need, "train")), learners=True)
-  run(config, fv.workdir, export=fv.export)
+  run(config, fv.workdir, export=fv.export, tape=Tape(fv["record-tape"].value) if fv["record-tape"].value else None)
   return 0

@@ -40,6 +40,7 @@ from diloco_jax.syncer.server.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.monitor import SyncerMonitor
+from diloco_jax.syncer.tape import Tape
 from diloco_jax.syncer.server.grpc_service import Limits, serve, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
@@ -102,6 +103,9 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("shard", 0, "this process's shard of a sharded syncer, in [0, --shards)", flag_values=fv)
   flags.DEFINE_integer("shards", 1, "syncer shards of the run (each a process owning some fragments)",
                        flag_values=fv)
+  flags.DEFINE_string("record-tape", None, "append every step of the syncer's state machine to this file "
+                      "(a debugging record: `python -m diloco_jax replay --tape FILE` replays it bit for bit)",
+                      flag_values=fv)
 
 
 def _tls_from_flags(fv) -> TlsConfig | None:
@@ -135,7 +139,8 @@ def main(argv) -> int:
   workdir.mkdir(parents=True, exist_ok=True)
   config_lib.save_resolved(config, workdir, fv["run-id"].value)
   s = config.syncer
-  core, fingerprint = build_core(config, fv["run-id"].value, shard=shard, shards=shards)
+  tape = Tape(fv["record-tape"].value) if fv["record-tape"].value else None
+  core, fingerprint = build_core(config, fv["run-id"].value, shard=shard, shards=shards, tape=tape)
   ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
   journal = checkpoint.Journal(workdir / "journal.json", timeline=workdir / "versions.jsonl")
   record = None
@@ -193,6 +198,7 @@ def main(argv) -> int:
   monitor.stop()
   metrics_log.close()
   step = periodic.stop()
+  core.close_tape()
   ckpt.close()
   journal.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",

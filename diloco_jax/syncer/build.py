@@ -21,11 +21,11 @@ def fragment_plan(config, params: Any) -> fragments.FragmentPlan:
   return fragments.plan_for_config(params, config)
 
 
-def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1) -> tuple[SyncerCore, str]:
+def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1, tape=None) -> tuple[SyncerCore, str]:
   """A fresh SyncerCore for `config` and its fingerprint: the global fragments start from the learners'
   initial params (the same values every learner creates from `config.seed`). With `shards` > 1, the core
   of shard `shard`: it owns and holds only that shard's fragments (`placement.assign_shards` of the plan's
-  fragment sizes)."""
+  fragment sizes). `tape`: a `syncer.tape.Tape` the core records its steps on."""
   params = model.init_params_host(config)
   plan = fragment_plan(config, params)
   sizes = [plan.size(p) for p in range(plan.num_fragments)]
@@ -38,7 +38,7 @@ def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1) -> tup
              for p in range(plan.num_fragments)]
   fingerprint = config_lib.fingerprint(config, run_id)
   settings = SyncerSettings.from_config(config, plan, fingerprint, owned=owned)
-  return SyncerCore(settings, initial), fingerprint
+  return SyncerCore(settings, initial, tape=tape), fingerprint
 
 
 def global_params(core: SyncerCore, plan: fragments.FragmentPlan, template: Any) -> Any:
