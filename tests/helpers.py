@@ -127,6 +127,7 @@ class ProcessRun:
     self.procs: dict[str, subprocess.Popen] = {}
     self.port = None  # the syncer's (shard 0's, when sharded)
     self.ports: dict[int, int] = {}  # shard -> port
+    self.syncer_flags: list[str] = []  # more flags for every syncer this run starts (e.g. --record-tape)
 
   def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
     log = open(self.tmp / "logs" / f"{name}.log", "ab")
@@ -145,7 +146,7 @@ class ProcessRun:
     port_file.unlink(missing_ok=True)
     extra = ["--shard", str(shard), "--shards", str(shards)] if shards > 1 else []
     proc = self.spawn(name, ["syncer", *self.config_argv, "--workdir", str(workdir), "--bind", bind,
-                             "--token-file", str(self.token_file), *extra])
+                             "--token-file", str(self.token_file), *extra, *self.syncer_flags])
     wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit() or proc.poll() is not None,
              "syncer port file", PROCESS_TIMEOUT_S)
     assert proc.poll() is None, self.log(name)

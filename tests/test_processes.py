@@ -147,9 +147,12 @@ def test_syncer_kill_and_term_during_a_run(tmp_path, quorum):
   """Shipped fault-tolerance settings (quorum all live learners, or K = 1; lease 30 s; 3 learners): a
   syncer kill -9, then a SIGTERM, each restarted on the same port and workdir. Every learner finishes,
   versions never go backwards, merging resumes after each restart, and every token of every learner is
-  merged exactly once into the final model (the learners pushed again what the crash lost)."""
+  merged exactly once into the final model (the learners pushed again what the crash lost). The syncer's
+  three lifetimes, recorded on one tape, replay bit for bit (`python -m diloco_jax replay`)."""
   extra = {"outer.min_quorum": 1} if quorum == "k1" else {}
   run = Run(tmp_path, helpers.shipped_overrides(steps=150, **extra))
+  tape = tmp_path / "syncer.tape"
+  run.syncer_flags = ["--record-tape", str(tape)]
   port = free_port()
   try:
     run.syncer(f"127.0.0.1:{port}")
@@ -166,8 +169,14 @@ def test_syncer_kill_and_term_during_a_run(tmp_path, quorum):
     for i in range(3):
       run.wait_ok(f"learner_{i}")
     status = run.status()
+    run.procs["syncer"].send_signal(signal.SIGTERM)
+    assert run.procs["syncer"].wait(120) == 0, run.log("syncer")
   finally:
     run.kill_all()
+  replayed = subprocess.run([sys.executable, "-m", "diloco_jax", "replay", "--tape", str(tape)], cwd=REPO,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert replayed.returncode == 0 and "3 segment(s), all identical" in replayed.stdout, replayed.stdout
+  assert replayed.stdout.count("ended cleanly") == 2  # the lifetimes stopped by SIGTERM; not the kill -9'd
   summaries = [run.summary(i) for i in range(3)]
   for s in summaries:
     assert s["completed"] and s["rejected_pushes"] == [] and s["recoveries"] >= 1, s
