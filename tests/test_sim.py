@@ -11,7 +11,8 @@ import pytest
 
 import helpers
 
-from diloco_jax.tools.sim import bandwidth, cli, goodput, plots, rounds
+from diloco_jax import commands
+from diloco_jax.tools.sim import bandwidth, goodput, plots, rounds
 from diloco_jax.syncer.rules import quorum as syncer_policy
 
 NEVER_FAILS = 1e12  # years
@@ -304,7 +305,7 @@ def test_eight_datacenters_under_one_gbps_and_inverse():
 # ---- CLI ----
 
 def _main(args, capsys):
-  rc = cli.main(["sim"] + args)
+  rc = commands.main(["diloco_jax", "sim"] + args)
   return rc, capsys.readouterr()
 
 
@@ -337,7 +338,7 @@ def test_cli_json_and_plots(tmp_path, capsys):
 ])
 def test_cli_errors_name_the_flag(args, names, capsys):
   with pytest.raises(SystemExit) as e:
-    cli.main(["sim"] + args)
+    commands.main(["diloco_jax", "sim"] + args)
   assert e.value.code == 2 and names in capsys.readouterr().err
 
 
@@ -383,7 +384,7 @@ def test_help_names_the_command():
 
 
 def test_sim_does_not_import_jax():
-  code = "import sys; from diloco_jax.tools.sim import cli, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
+  code = "import sys; from diloco_jax.tools.sim import args, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
   assert out.stdout.strip() == "False", out.stderr
 

@@ -247,7 +247,7 @@ def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("export", True, "export the global model to WORKDIR/model at the end", flag_values=fv)
 
 
-def main(argv) -> int:
+def train(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   c = fv.config

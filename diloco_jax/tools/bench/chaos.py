@@ -42,15 +42,18 @@ import time
 import numpy as np
 from absl import flags
 
-from diloco_jax.tools import chaos
 from diloco_jax import cli
 from diloco_jax.outer import fragments
 from diloco_jax.runs import local as launch_local
+from diloco_jax.tools.chaos import history
+from diloco_jax.tools.chaos import job as chaos_job
+from diloco_jax.tools.chaos import schedule as chaos_schedule
+from diloco_jax.tools.chaos.analysis import verdict
 from diloco_jax.tools.sim import goodput as sim_goodput
 
 
 def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
-                     horizon_s: float = 7200.0) -> list[chaos.Event]:
+                     horizon_s: float = 7200.0) -> list[chaos_schedule.Event]:
   """Learner kills at the times of a Poisson process of mean interval `mtbf_s` (job-wide), each on a
   uniformly drawn learner, each restarted after `repair_s`."""
   rng = np.random.default_rng(seed)
@@ -59,13 +62,13 @@ def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
     t += float(rng.exponential(mtbf_s))
     if t > horizon_s:
       return events
-    events.append(chaos.Event(round(t, 1), "learner_kill", int(rng.integers(learners)), repair_s))
+    events.append(chaos_schedule.Event(round(t, 1), "learner_kill", int(rng.integers(learners)), repair_s))
 
 
 # ---- the data-parallel job under the same schedule -------------------------------------------------------
 
 
-def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events: list[chaos.Event], say,
+def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events: list[chaos_schedule.Event], say,
             timeout_s: float) -> dict:
   """The baseline process under `events` (see the module docstring); returns its raw record."""
   if workdir.exists():
@@ -87,7 +90,7 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
       if now - t_launch > timeout_s:
         failure = f"timed out after {timeout_s:.0f} s"
         break
-      if t_train is None and chaos.step_records(workdir):
+      if t_train is None and history.step_records(workdir):
         t_train = now
         note("training: the schedule starts")
       while t_train is not None and todo and t_train + todo[0].at_s <= now:
@@ -141,7 +144,7 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
 def _dp_measure(config, workdir: pathlib.Path, raw: dict) -> dict:
   """Window rate (tokens of the surviving trajectory per second from the first to the last record),
   restart cost, eval loss."""
-  records = chaos.step_records(workdir)
+  records = history.step_records(workdir)
   tokens_per_step = config.data.global_batch * config.data.seq_len
   out = {"finished": raw["finished"], "failure": raw["failure"], "events": raw["log"],
          "failures": len(raw["restarts"])}
@@ -157,7 +160,7 @@ def _dp_measure(config, workdir: pathlib.Path, raw: dict) -> dict:
     if first is not None:
       costs.append(first[0] - r)
   out["restart_cost_s"] = float(np.mean(costs)) if costs else None
-  out["redone_steps"] = chaos.redone_steps(workdir, config.train.log_every)
+  out["redone_steps"] = history.redone_steps(workdir, config.train.log_every)
   return out
 
 
@@ -166,7 +169,7 @@ def _learner_restart_cost(workdir: pathlib.Path, report: dict) -> float | None:
   costs = []
   for e in report["events"]:
     if e["kind"] == "learner_restart":
-      first = next((t for t, _ in chaos.step_records(workdir / f"learner_{e['target']}") if t > e["t"]), None)
+      first = next((t for t, _ in history.step_records(workdir / f"learner_{e['target']}") if t > e["t"]), None)
       if first is not None:
         costs.append(first - e["t"])
   return float(np.mean(costs)) if costs else None
@@ -222,12 +225,12 @@ def _flags(fv):
   flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
 
 
-def main(argv) -> int:
+def bench_chaos(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config, learners = fv.config, fv.learners
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")
-  config_argv = chaos.chaos_config_argv(config, launch_local.config_args(argv), learners)
+  config_argv = chaos_job.chaos_config_argv(config, launch_local.config_args(argv), learners)
   if not config.train.min_step_s and fv["min-step-s"].value > 0:
     config.train.min_step_s = fv["min-step-s"].value
     config_argv.append(f"--config.train.min_step_s={config.train.min_step_s}")
@@ -240,7 +243,7 @@ def main(argv) -> int:
   say = lambda line: print(line, file=sys.stderr, flush=True)
   mtbf, repair, timeout = fv["mtbf-s"].value, fv["repair-s"].value, fv["timeout-s"].value
   try:
-    events = (chaos.load_schedule(fv.schedule, learners) if fv.schedule
+    events = (chaos_schedule.load_schedule(fv.schedule, learners) if fv.schedule
               else failure_schedule(fv.seed, learners, mtbf, repair))
   except ValueError as e:
     raise cli.UsageError(str(e)) from None
@@ -250,10 +253,10 @@ def main(argv) -> int:
     dl_ref = json.loads(pathlib.Path(fv["diloco-reference"].value).read_text())["reference_run"]
   else:
     say("bench chaos: Decoupled DiLoCo, undisturbed")
-    dl_ref = chaos.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
+    dl_ref = chaos_job.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
                            timeout_s=timeout, reference=None)
   say("bench chaos: Decoupled DiLoCo under the schedule")
-  dl = chaos.run_job(config, config_argv, root / "diloco", "bench", events, say=say, timeout_s=timeout,
+  dl = chaos_job.run_job(config, config_argv, root / "diloco", "bench", events, say=say, timeout_s=timeout,
                      reference=dl_ref)
   dl["learner_restart_cost_s"] = _learner_restart_cost(root / "diloco", dl)
   say("bench chaos: data-parallel, undisturbed")
@@ -275,7 +278,7 @@ def main(argv) -> int:
                  "failures": dl["faults_applied"]["learner_kill"],  # kills of a learner already down: none
                  "restart_cost_s": dl["learner_restart_cost_s"], "tokens_redone": dl["tokens_redone"],
                  "provisioned_learner_s": dl["provisioned_learner_s"], "predicted": predicted["diloco"].goodput,
-                 "predicted_ci": predicted["diloco"].goodput_ci, "checks": chaos.verdict(config, dl)},
+                 "predicted_ci": predicted["diloco"].goodput_ci, "checks": verdict(config, dl)},
       "dp": {"goodput": dp["goodput"], "eval_loss": dp["eval_loss"], "reference_eval_loss": dp_ref["eval_loss"],
              "failures": dp["failures"], "restart_cost_s": dp["restart_cost_s"], "window_s": dp["window_s"],
              "redone_steps": dp["redone_steps"], "predicted": predicted["dp"].goodput,

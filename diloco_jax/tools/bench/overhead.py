@@ -88,7 +88,7 @@ class _MemorySampler:
     tracemalloc.stop()
 
 
-def main(argv) -> int:
+def bench_overhead(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   cli.validated(config, len(cli.devices(config.learners.num * config.learners.devices, "bench overhead")),

@@ -185,7 +185,7 @@ def _report(r: dict) -> str:
   ])
 
 
-def main(argv) -> int:
+def bench_step(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   available = cli.devices(fv.devices or config.mesh.num_devices or config.learners.num * config.learners.devices,

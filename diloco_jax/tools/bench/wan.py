@@ -359,7 +359,7 @@ def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: fl
           "goal": verdict(rows)}
 
 
-def main(argv) -> int:
+def bench_wan(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   need = config.learners.devices
