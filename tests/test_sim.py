@@ -12,7 +12,7 @@ import pytest
 import helpers
 
 from diloco_jax import commands
-from diloco_jax.tools.sim import bandwidth, goodput, plots, rounds
+from diloco_jax.tools.sim import bandwidth, failures, goodput, plots, rounds
 from diloco_jax.syncer.rules import quorum as syncer_policy
 
 NEVER_FAILS = 1e12  # years
@@ -43,7 +43,7 @@ def test_no_failures_goodput_is_one_minus_overheads(strategy):
   cfg = _cfg(chips=100_000, strategy=strategy, learners=4, mtbi_chip_s=NEVER_FAILS * goodput.YEAR_S,
              horizon_s=20_000.0, ckpt_cost_s=0.1, snapshot_s=0.5)
   est = goodput.simulate(cfg, repeats=2, seed=1)
-  expected = goodput.no_failure_goodput(cfg)
+  expected = failures.no_failure_goodput(cfg)
   assert expected < 1.0 or strategy == "elastic"
   # Blocking overheads only; push rounding at the horizon's end is the only slack.
   assert est.goodput == pytest.approx(expected, abs=2e-3)
@@ -54,7 +54,7 @@ def test_dp_matches_renewal_expectation_within_2_percent():
   cfg = _cfg(chips=300_000, strategy="dp", restart_s=60.0, ckpt_every_steps=3, ckpt_cost_s=0.2,
              failures_per_job=3000)
   est = goodput.simulate(cfg, repeats=3, seed=7)
-  analytic = goodput.analytic_dp_goodput(cfg)
+  analytic = failures.analytic_dp_goodput(cfg)
   assert 0.3 < analytic < 0.9  # a regime where failures matter
   assert est.goodput == pytest.approx(analytic, rel=0.02)
 

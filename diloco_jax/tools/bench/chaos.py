@@ -94,33 +94,8 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
         t_train = now
         note("training: the schedule starts")
       while t_train is not None and todo and t_train + todo[0].at_s <= now:
-        event = todo.pop(0)
-        if event.kind.startswith("syncer"):
-          note(f"skipped ({event.describe()}): no syncer in data-parallel")
-        elif child is None or child.poll() is not None:
-          note(f"skipped ({event.describe()}): the job is down")
-        elif event.kind == "learner_kill":
-          child.proc.send_signal(signal.SIGCONT)
-          child.proc.kill()
-          child.proc.wait()
-          child.close()
-          child = None
-          note(f"failure on worker {event.target}: kill -9 the whole job (restart in {event.duration_s:g} s)")
-          pending.append((now + event.duration_s, "restart"))
-        else:
-          child.proc.send_signal(signal.SIGSTOP)
-          note(f"{event.describe()}: the synchronous job stalls (SIGSTOP)")
-          pending.append((now + event.duration_s, "cont"))
-      for due, action in list(pending):
-        if due <= now:
-          pending.remove((due, action))
-          if action == "restart":
-            child = start()
-            restarts.append(time.time())
-            note("restarted from its last checkpoint")
-          elif child is not None:
-            child.proc.send_signal(signal.SIGCONT)
-            note("SIGCONT")
+        child = _dp_apply(todo.pop(0), child, now, note, pending)
+      child = _dp_follow_ups(pending, now, child, start, restarts, note)
       if child is not None and child.poll() is not None:
         if child.poll() == 0:
           break
@@ -139,6 +114,43 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
     summary = json.loads((workdir / "summary.json").read_text())
   return {"finished": failure is None, "failure": failure, "t_launch": t_launch, "t_end": time.time(),
           "restarts": restarts, "log": log, "summary": summary}
+
+
+def _dp_apply(event: chaos_schedule.Event, child, now: float, note, pending: list[tuple[float, str]]):
+  """Applies one event to the data-parallel job (a learner fault stops the whole job); returns its process
+  (None once killed). Follow-ups (restart, SIGCONT) go to `pending` as (due time, action)."""
+  if event.kind.startswith("syncer"):
+    note(f"skipped ({event.describe()}): no syncer in data-parallel")
+  elif child is None or child.poll() is not None:
+    note(f"skipped ({event.describe()}): the job is down")
+  elif event.kind == "learner_kill":
+    child.proc.send_signal(signal.SIGCONT)
+    child.proc.kill()
+    child.proc.wait()
+    child.close()
+    child = None
+    note(f"failure on worker {event.target}: kill -9 the whole job (restart in {event.duration_s:g} s)")
+    pending.append((now + event.duration_s, "restart"))
+  else:
+    child.proc.send_signal(signal.SIGSTOP)
+    note(f"{event.describe()}: the synchronous job stalls (SIGSTOP)")
+    pending.append((now + event.duration_s, "cont"))
+  return child
+
+
+def _dp_follow_ups(pending: list[tuple[float, str]], now: float, child, start, restarts: list[float], note):
+  """Carries out the follow-ups due by `now`; returns the job's process (a new one after a restart)."""
+  for due, action in list(pending):
+    if due <= now:
+      pending.remove((due, action))
+      if action == "restart":
+        child = start()
+        restarts.append(time.time())
+        note("restarted from its last checkpoint")
+      elif child is not None:
+        child.proc.send_signal(signal.SIGCONT)
+        note("SIGCONT")
+  return child
 
 
 def _dp_measure(config, workdir: pathlib.Path, raw: dict) -> dict:
@@ -226,6 +238,7 @@ def _flags(fv):
 
 
 def bench_chaos(argv) -> int:
+  """`python -m diloco_jax bench chaos --config C --learners N ...`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   config, learners = fv.config, fv.learners
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
@@ -254,10 +267,10 @@ def bench_chaos(argv) -> int:
   else:
     say("bench chaos: Decoupled DiLoCo, undisturbed")
     dl_ref = chaos_job.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
-                           timeout_s=timeout, reference=None)
+                               timeout_s=timeout, reference=None)
   say("bench chaos: Decoupled DiLoCo under the schedule")
   dl = chaos_job.run_job(config, config_argv, root / "diloco", "bench", events, say=say, timeout_s=timeout,
-                     reference=dl_ref)
+                         reference=dl_ref)
   dl["learner_restart_cost_s"] = _learner_restart_cost(root / "diloco", dl)
   say("bench chaos: data-parallel, undisturbed")
   dp_ref = _dp_measure(config, root / "dp_reference",
@@ -271,6 +284,17 @@ def bench_chaos(argv) -> int:
   dp["goodput"] = dp["rate"] / dp_ref["rate"]
   sims = sim_configs(config, learners, mtbf, dp, dl, dl_ref, dp_ref, repair)
   predicted = {k: sim_goodput.simulate(cfg, repeats=fv.repeats, seed=fv.seed) for k, cfg in sims.items()}
+  result = _result(config, events, dl, dl_ref, dp, dp_ref, sims, predicted, mtbf=mtbf, repair=repair)
+  (root / "bench_chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+  _print_result(result)
+  print(f"bench chaos: {root / 'bench_chaos.json'}")
+  return 0
+
+
+def _result(config, events, dl: dict, dl_ref: dict, dp: dict, dp_ref: dict, sims: dict, predicted: dict, *,
+            mtbf: float, repair: float) -> dict:
+  """The figures of both strategies beside the simulator's (what bench_chaos.json holds)."""
+  learners = config.learners.num
   result = {
       "learners": learners, "steps": config.train.steps, "mtbf_s": mtbf, "repair_s": repair,
       "schedule": [dataclasses.asdict(e) for e in events if e.at_s < max(dl["train_s"], 1) * 3],
@@ -287,7 +311,11 @@ def bench_chaos(argv) -> int:
   }
   result["ratio"] = dl["goodput"] / dp["goodput"] if dp["goodput"] > 0 else None
   result["diloco_vs_sim_points"] = 100 * (dl["goodput"] - predicted["diloco"].goodput)
-  (root / "bench_chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+  return result
+
+
+def _print_result(result: dict) -> None:
+  """The table of both strategies, measured beside simulated, and the ratio."""
   print(f"\n{'':18}{'goodput':>9}{'simulated':>16}{'failures':>10}{'restart cost':>14}{'eval loss':>22}")
   for name, key in (("Decoupled DiLoCo", "diloco"), ("data-parallel", "dp")):
     r = result[key]
@@ -296,5 +324,3 @@ def bench_chaos(argv) -> int:
           f"{r['failures']:>10}{cost:>14}{r['eval_loss']:>12.4f} ({r['reference_eval_loss']:.4f})")
   print(f"DiLoCo / data-parallel goodput: {result['ratio']:.2f}x; DiLoCo measured - simulated: "
         f"{result['diloco_vs_sim_points']:+.1f} points (eval loss: under the schedule, undisturbed in brackets)")
-  print(f"bench chaos: {root / 'bench_chaos.json'}")
-  return 0
