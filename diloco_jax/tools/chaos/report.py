@@ -50,7 +50,7 @@ def format_report(config, report: dict) -> str:
 def plot_timeline(report: dict, path: pathlib.Path, num_fragments: int) -> None:
   """Learners alive (and stopped, dead, cut off), the syncer's outages, each fragment's version, and the
   events, against wall time."""
-  import matplotlib  # lazy: only this figure needs it
+  import matplotlib  # lazy: only this figure needs it (a second to import); --summarize and the text do not
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
