@@ -3,8 +3,9 @@
 The `tokenizer` command (tools/tokenizer.py) trains one. The SentencePiece model is BPE with byte fallback
 and no normalization (`identity`, no dummy prefix, runs of spaces kept), so that decoding the encoding of
 any text gives back the text exactly, code included: a character the vocabulary lacks becomes its UTF-8
-bytes (`<0x..>` pieces), never `<unk>`. Newlines and tabs are pieces of their own; digits are split one by one. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the document
-separator, `eos_id`), then 3 `\\n` and 4 `\\t`, then the 256 byte pieces, then the learned ones.
+bytes (`<0x..>` pieces), never `<unk>`. Newlines and tabs are pieces of their own; digits are split one by
+one. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the document separator, `eos_id`), then 3 `\\n` and 4 `\\t`, then
+the 256 byte pieces, then the learned ones.
 
 Every tokenizer has the same small interface (`vocab_size`, `eos_id`, `encode`, `decode`, `token_bytes`,
 `reference`): the data pipeline, the `tokenize` command, `eval` (bits per byte) and `sample` use it without

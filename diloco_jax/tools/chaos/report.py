@@ -12,6 +12,7 @@ from diloco_jax.tools.chaos.schedule import KINDS
 
 
 def format_report(config, report: dict) -> str:
+  """The report in a few lines: finished, versions, stalls, restarts, contributions, goodput, checks."""
   c = report["contributions"]
   applied = ", ".join(f"{n} {k}" for k, n in report["faults_applied"].items() if n)
   lines = [f"chaos: {'finished' if report['finished'] else 'NOT finished (' + str(report['failure']) + ')'}; "

@@ -27,6 +27,7 @@ class Event:
   duration_s: float = 0.0
 
   def describe(self) -> str:
+    """The event in words, as the log and the report print it."""
     return {
         "learner_kill": f"kill -9 learner {self.target} (restart in {self.duration_s:g} s)",
         "learner_stop": f"SIGSTOP learner {self.target} for {self.duration_s:g} s",
