@@ -11,6 +11,8 @@ from typing import Callable
 from absl import flags
 from ml_collections import config_flags
 
+from diloco_jax.outer import fragments
+
 
 class UsageError(SystemExit):
   """A bad flag or config field: printed without a traceback, exit status 2."""
@@ -27,7 +29,9 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 def enable_compilation_cache() -> None:
   """Reuse compiled XLA programs across runs (the same shapes recompile in seconds otherwise, minutes on
   big models). Directory: $DILOCO_JAX_CACHE, default ~/.cache/diloco_jax/xla; set it empty to disable."""
-  import jax  # lazy: commands without jax (sim, the launcher's help) start without importing it
+  # Lazy, as every jax import here: commands without a model (sim, plot, status, sizes) use
+  # this module and start without importing jax.
+  import jax
 
   path = os.environ.get(CACHE_ENV, str(pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"))
   if path:
@@ -105,7 +109,7 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
   """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
   the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
-  # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
+  # Lazy: config/schema (through compute/mesh) and data/pipeline (through grain) import jax; see above.
   from diloco_jax.config import schema as config_lib
   from diloco_jax.data import pipeline as data_lib
 
@@ -123,7 +127,8 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
 def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
-  from diloco_jax.config import schema as config_lib  # lazy, as in `validated`
+  # Lazy, as in `validated`: compute/plans reaches jax through the model.
+  from diloco_jax.config import schema as config_lib
   from diloco_jax.compute import plans
 
   try:

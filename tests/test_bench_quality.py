@@ -14,7 +14,7 @@ def test_budgets_run_the_pair_at_each_multiple_and_plot(tmp_path, capsys):
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
           "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
           "--budgets=2,1", f"--workdir={tmp_path / 'q'}", "--json"]
-  assert quality.main(argv) == 0
+  assert quality.bench_quality(argv) == 0
   out = json.loads(capsys.readouterr().out)
   assert sorted(out["budgets"]) == ["1", "2"]
   for budget, steps in (("1", 4), ("2", 8)):
@@ -64,7 +64,7 @@ def test_the_ladder_puts_the_parts_back_one_at_a_time(tmp_path, capsys):
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
           "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
           f"--workdir={tmp_path / 'q'}", "--ladder", "--json"]
-  assert quality.main(argv) == 0
+  assert quality.bench_quality(argv) == 0
   out = json.loads(capsys.readouterr().out)
   ladder = out["ladder"]
   assert [r["rung"] for r in ladder][-1] == "as configured"

@@ -11,7 +11,7 @@ def test_fused_and_unfused_paths_agree():
 
 
 def test_command_prints_rows_and_the_bound(capsys):
-  assert bench_syncer.main(["bench syncer", "--params=50000", "--rounds=1", "--threads=1,2", "--json"]) == 0
+  assert bench_syncer.bench_syncer(["bench syncer", "--params=50000", "--rounds=1", "--threads=1,2", "--json"]) == 0
   result = json.loads(capsys.readouterr().out)
   paths = [(r["path"], r["threads"]) for r in result["rows"]]
   assert paths == [("unfused", 1), ("fused", 1), ("fused", 2)]

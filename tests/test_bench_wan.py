@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_jax.tools.bench import wan
+from diloco_jax.tools.bench import wan, wan_mode
 
 
 def test_modes_differ_only_in_schedule(tiny_config):
@@ -19,7 +19,7 @@ def test_modes_differ_only_in_schedule(tiny_config):
 
 
 def test_mode_config_is_one_learner_and_leaves_the_input_alone(tiny_config):
-  c = wan._mode_config(tiny_config, wan.modes(tiny_config)[0])
+  c = wan_mode._mode_config(tiny_config, wan.modes(tiny_config)[0])
   assert (c.learners.num, c.outer.min_quorum, c.outer.num_fragments, c.outer.tau) == (1, 1, 1, 0)
   assert tiny_config.learners.num == 4 and tiny_config.outer.num_fragments == 2
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.tools import chaos
+from diloco_jax.tools.chaos import history as chaos_history
+from diloco_jax.tools.chaos import job as chaos_job
+from diloco_jax.tools.chaos import schedule as chaos_schedule
 from diloco_jax.runs import local as launch_local
 from diloco_jax.tools.bench import chaos as bench_chaos
 from diloco_jax.tools.sim import goodput as sim_goodput
@@ -16,20 +18,20 @@ from diloco_jax.tools.sim import goodput as sim_goodput
 
 @pytest.mark.parametrize("seed", range(40))
 def test_standard_schedule_holds_every_fault_one_learner_fault_at_a_time(seed):
-  events = chaos.standard_schedule(seed, 3, 120.0)
-  assert events == chaos.standard_schedule(seed, 3, 120.0)  # seeded
+  events = chaos_schedule.standard_schedule(seed, 3, 120.0)
+  assert events == chaos_schedule.standard_schedule(seed, 3, 120.0)  # seeded
   kinds = [e.kind for e in events]
-  assert sorted(kinds) == sorted(chaos.KINDS)
-  learner = [e for e in events if e.kind in chaos.LEARNER_KINDS]
+  assert sorted(kinds) == sorted(chaos_schedule.KINDS)
+  learner = [e for e in events if e.kind in chaos_schedule.LEARNER_KINDS]
   assert len({e.target for e in learner}) == 3
   ends = {"learner_kill": 25.0, "learner_stop": 23.0, "learner_cutoff": 13.0}
   for a, b in zip(learner, learner[1:]):
     assert b.at_s >= a.at_s + ends[a.kind]  # never two learners faulty at once
   syncer = [e for e in events if e.kind.startswith("syncer")]
-  assert syncer[1].at_s - syncer[0].at_s >= chaos.SETTLE_S
+  assert syncer[1].at_s - syncer[0].at_s >= chaos_schedule.SETTLE_S
   kill = next(e for e in events if e.kind == "learner_kill")
   for e in syncer:
-    assert not kill.at_s - chaos.SETTLE_S < e.at_s < kill.at_s + 25.0
+    assert not kill.at_s - chaos_schedule.SETTLE_S < e.at_s < kill.at_s + 25.0
     assert 2 <= e.duration_s <= 5
 
 
@@ -37,7 +39,7 @@ def test_schedule_files_are_checked(tmp_path):
   path = tmp_path / "s.json"
   path.write_text(json.dumps([{"at_s": 5, "kind": "syncer_kill", "duration_s": 2},
                               {"at_s": 1, "kind": "learner_stop", "target": 2, "duration_s": 3}]))
-  events = chaos.load_schedule(str(path), 3)
+  events = chaos_schedule.load_schedule(str(path), 3)
   assert [e.kind for e in events] == ["learner_stop", "syncer_kill"] and events[0].target == 2
   for bad, match in (([{"at_s": 1, "kind": "reboot"}], "kind"),
                      ([{"at_s": 1, "kind": "learner_kill", "target": 3}], "target"),
@@ -46,7 +48,7 @@ def test_schedule_files_are_checked(tmp_path):
                      ({"at_s": 1}, "JSON list")):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=match) as e:
-      chaos.load_schedule(str(path), 3)
+      chaos_schedule.load_schedule(str(path), 3)
     assert "--schedule" in str(e.value)
 
 
@@ -62,7 +64,7 @@ def test_simulator_configs_of_the_shipped_config(tiny_config):
   """The simulator gets the run's real settings, `outer.max_in_flight = 0` (the schedule's need) resolved as
   the learners resolve it, and both configurations simulate."""
   assert tiny_config.outer.max_in_flight == 0
-  chaos.chaos_config_argv(tiny_config, [], 6)
+  chaos_job.chaos_config_argv(tiny_config, [], 6)
   sims = bench_chaos.sim_configs(
       tiny_config, 6, 15.0, dp={"restart_cost_s": 3.0}, diloco={"learner_restart_cost_s": 5.0},
       diloco_ref={"step_time_s": 0.1}, dp_ref={"window_s": 100.0, "steps_in_window": 1000}, repair_s=10.0)
@@ -75,26 +77,27 @@ def test_simulator_configs_of_the_shipped_config(tiny_config):
 
 
 def test_timeline_measures(tmp_path):
-  assert chaos.monotone([[0, 0], [1, 0], [1, 2]]) and not chaos.monotone([[0, 3], [1, 2]])
+  assert chaos_history.monotone([[0, 0], [1, 0], [1, 2]]) and not chaos_history.monotone([[0, 3], [1, 2]])
   timeline = [(1.0, [0, 0]), (2.0, [1, 0]), (2.5, [1, 0]), (6.0, [1, 1])]
-  assert chaos.advance_times(timeline) == [2.0, 6.0]
+  assert chaos_history.advance_times(timeline) == [2.0, 6.0]
   # [0, 10]: gaps 2, 4, 4; excluding [3, 5] the middle one is 2.
-  assert chaos.longest_gap([2.0, 6.0], 0.0, 10.0) == 4.0
-  assert chaos.longest_gap([2.0, 6.0], 0.0, 10.0, [(3.0, 5.0), (7.0, 10.0)]) == 2.0
-  assert chaos.value_at([(1.0, 10.0), (3.0, 20.0)], 2.0) == 10.0 and chaos.value_at([(1.0, 10.0)], 0.5) == 0
+  assert chaos_history.longest_gap([2.0, 6.0], 0.0, 10.0) == 4.0
+  assert chaos_history.longest_gap([2.0, 6.0], 0.0, 10.0, [(3.0, 5.0), (7.0, 10.0)]) == 2.0
+  assert chaos_history.value_at([(1.0, 10.0), (3.0, 20.0)], 2.0) == 10.0
+  assert chaos_history.value_at([(1.0, 10.0)], 0.5) == 0
   # Learner 0 up, stopped 5-10, up; learner 1 up until it finished at 8: nobody trains during 8-10.
   states = {0: [[0, 5, "up"], [5, 10, "stopped"], [10, 20, "up"]], 1: [[0, 20, "up"]]}
-  assert chaos.idle_intervals(states, [20, 8], 0, 20) == [(8, 10)]
+  assert chaos_history.idle_intervals(states, [20, 8], 0, 20) == [(8, 10)]
   # A restarted learner counts from its first step record, not from its process start.
   states = {0: [[0, 5, "up"], [5, 8, "dead"], [8, 20, "up"]]}
-  assert chaos.idle_intervals(states, [20], 0, 20, [[(1.0, 10), (12.0, 110)]]) == [(5, 12.0)]
+  assert chaos_history.idle_intervals(states, [20], 0, 20, [[(1.0, 10), (12.0, 110)]]) == [(5, 12.0)]
   learner = tmp_path / "learner_0"
   learner.mkdir()
   records = [{"time": t, "step": s} for t, s in ((1, 10), (2, 20), (3, 30), (4, 40), (9, 30), (10, 40))]
   (learner / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n{cut")
   # Died after logging step 40, resumed from the checkpoint at 20 (first record 30): steps 20-40 twice.
-  assert chaos.redone_steps(learner, 10) == 20
-  assert chaos.first_done([learner], 40) == 4
+  assert chaos_history.redone_steps(learner, 10) == 20
+  assert chaos_history.first_done([learner], 40) == 4
 
 
 @pytest.mark.slow
@@ -117,7 +120,7 @@ def test_chaos_command_runs_a_schedule_of_every_fault(tmp_path):
                         timeout=1800)
   report = json.loads((workdir / "report.json").read_text())
   assert report["finished"] and report["versions_monotone"], proc.stderr[-4000:]
-  assert all(report["faults_applied"][k] == 1 for k in chaos.KINDS), report["faults_applied"]
+  assert all(report["faults_applied"][k] == 1 for k in chaos_schedule.KINDS), report["faults_applied"]
   assert report["contributions"]["lost"] == 0 and report["checks"]["restarts_back_within_30s"]
   assert (workdir / "timeline.png").stat().st_size > 10_000
   assert "goodput" in proc.stdout and proc.returncode in (0, 1)

@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 
 import helpers
-from diloco_jax.tools import chaos
+from diloco_jax.tools.chaos import history as chaos_history
 from diloco_jax.compute import checkpoint as checkpoint_lib
 from diloco_jax import cli
 from diloco_jax.runs import local as launch_local
@@ -208,9 +208,9 @@ def test_multi_process_learner_recovers_from_a_syncer_restart(tmp_path):
                 if "syncer restarted (epoch" in line] for p in range(2)]
   assert decisions[0] and decisions[0] == decisions[1], decisions  # the same decision, applied by both
   assert f"done at step {steps}" in run.log("learner_0_p1")
-  seen = chaos.learner_versions(tmp_path / "learner_0")
-  assert seen and chaos.monotone(seen), seen
-  assert chaos.monotone(v for _, v in chaos.commits(tmp_path / "syncer"))
+  seen = chaos_history.learner_versions(tmp_path / "learner_0")
+  assert seen and chaos_history.monotone(seen), seen
+  assert chaos_history.monotone(v for _, v in chaos_history.commits(tmp_path / "syncer"))
   assert status["counters"]["tokens_merged_by_fragment"] == [s0["tokens"]] * len(status["versions"]), status
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import helpers
-from diloco_jax.tools import chaos
+from diloco_jax.tools.chaos import history as chaos_history
 from diloco_jax.runs import local as launch_local
 
 REPO = helpers.REPO
@@ -125,11 +125,11 @@ def test_learner_killed_and_restarted_rejoins(tmp_path):
 
 def _versions_monotone(tmp_path, learners: int) -> None:
   """Versions never went backwards: the syncer's over all its lifetimes, and every learner's."""
-  timeline = chaos.commits(tmp_path / "syncer")
-  assert len(timeline) > 3 and chaos.monotone(v for _, v in timeline), timeline
+  timeline = chaos_history.commits(tmp_path / "syncer")
+  assert len(timeline) > 3 and chaos_history.monotone(v for _, v in timeline), timeline
   for i in range(learners):
-    seen = chaos.learner_versions(tmp_path / f"learner_{i}")
-    assert seen and chaos.monotone(seen), (i, seen)
+    seen = chaos_history.learner_versions(tmp_path / f"learner_{i}")
+    assert seen and chaos_history.monotone(seen), (i, seen)
 
 
 def _restart_syncer(run, port: int, how: signal.Signals):
@@ -160,12 +160,12 @@ def test_syncer_kill_and_term_during_a_run(tmp_path, quorum):
       run.learner(i)
     for how in (signal.SIGKILL, signal.SIGTERM):
       wait_for(lambda: total_versions(run.status()) >= 6, "a few rounds")
-      before = len(chaos.advance_times(chaos.commits(tmp_path / "syncer")))
+      advances = lambda: chaos_history.advance_times(chaos_history.commits(tmp_path / "syncer"))
+      before = len(advances())
       _, started = _restart_syncer(run, port, how)
       # Back to merging: versions advance again (the learners noticed the restart and recovered).
-      wait_for(lambda: len(chaos.advance_times(chaos.commits(tmp_path / "syncer"))) >= before + 2,
-               f"merging after the restart ({how.name})", 120)
-      assert chaos.advance_times(chaos.commits(tmp_path / "syncer"))[before] - started < 60
+      wait_for(lambda: len(advances()) >= before + 2, f"merging after the restart ({how.name})", 120)
+      assert advances()[before] - started < 60
     for i in range(3):
       run.wait_ok(f"learner_{i}")
     status = run.status()
@@ -212,11 +212,11 @@ def test_a_stopped_learner_does_not_freeze_the_others(tmp_path):
         proc.send_signal(signal.SIGCONT)
     run.kill_all()
   assert 2 not in status["counted"] and 2 in status["live"], status  # lease intact, not waited for
-  advances = chaos.advance_times(chaos.commits(tmp_path / "syncer"))
+  advances = chaos_history.advance_times(chaos_history.commits(tmp_path / "syncer"))
   during = [t for t in advances if t_stop < t < t_cont]
   # With the lease rule the versions froze for the whole stop; now they go on: the longest gap is the
   # stall bound (0.5 s + a step) plus the rounds' own cadence, with a wide margin for this machine.
-  assert len(during) >= 4 and chaos.longest_gap(advances, t_stop, t_cont) < 4.0, during
+  assert len(during) >= 4 and chaos_history.longest_gap(advances, t_stop, t_cont) < 4.0, during
   assert final["counters"]["learner_stalls"] >= 1
   s2 = run.summary(2)
   assert s2["completed"] and s2["pushes"] >= 10

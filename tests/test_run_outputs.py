@@ -14,6 +14,7 @@ from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.compute import model as model_lib
 from diloco_jax.runs import plots as plot
+from diloco_jax.tools import plot as plot_tool
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.syncer import build
@@ -91,7 +92,7 @@ def test_tensorboard_tags_overlay_baseline_and_diloco(runs):
 def test_plot_writes_the_figures_from_the_runs_output(runs, tmp_path):
   root = runs["root"]
   out = tmp_path / "plots"
-  assert plot.main(["plot", str(root / "diloco"), str(root / "dp"), "--out", str(out)]) == 0
+  assert plot_tool.plot_runs(["plot", str(root / "diloco"), str(root / "dp"), "--out", str(out)]) == 0
   for name in plot.FIGURES:
     image = matplotlib.image.imread(out / f"{name}.png")
     assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # a drawn figure
@@ -117,7 +118,7 @@ def test_outputs_lines_name_the_logs_and_plots(runs):
 
 def test_plot_refuses_a_directory_without_metrics(tmp_path):
   with pytest.raises(SystemExit) as e:
-    plot.main(["plot", str(tmp_path)])
+    plot_tool.plot_runs(["plot", str(tmp_path)])
   assert e.value.code == 2
 
 

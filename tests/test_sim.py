@@ -11,7 +11,8 @@ import pytest
 
 import helpers
 
-from diloco_jax.tools.sim import bandwidth, cli, goodput, plots, rounds
+from diloco_jax import commands
+from diloco_jax.tools.sim import bandwidth, failures, goodput, plots, rounds
 from diloco_jax.syncer.rules import quorum as syncer_policy
 
 NEVER_FAILS = 1e12  # years
@@ -42,7 +43,7 @@ def test_no_failures_goodput_is_one_minus_overheads(strategy):
   cfg = _cfg(chips=100_000, strategy=strategy, learners=4, mtbi_chip_s=NEVER_FAILS * goodput.YEAR_S,
              horizon_s=20_000.0, ckpt_cost_s=0.1, snapshot_s=0.5)
   est = goodput.simulate(cfg, repeats=2, seed=1)
-  expected = goodput.no_failure_goodput(cfg)
+  expected = failures.no_failure_goodput(cfg)
   assert expected < 1.0 or strategy == "elastic"
   # Blocking overheads only; push rounding at the horizon's end is the only slack.
   assert est.goodput == pytest.approx(expected, abs=2e-3)
@@ -53,7 +54,7 @@ def test_dp_matches_renewal_expectation_within_2_percent():
   cfg = _cfg(chips=300_000, strategy="dp", restart_s=60.0, ckpt_every_steps=3, ckpt_cost_s=0.2,
              failures_per_job=3000)
   est = goodput.simulate(cfg, repeats=3, seed=7)
-  analytic = goodput.analytic_dp_goodput(cfg)
+  analytic = failures.analytic_dp_goodput(cfg)
   assert 0.3 < analytic < 0.9  # a regime where failures matter
   assert est.goodput == pytest.approx(analytic, rel=0.02)
 
@@ -304,7 +305,7 @@ def test_eight_datacenters_under_one_gbps_and_inverse():
 # ---- CLI ----
 
 def _main(args, capsys):
-  rc = cli.main(["sim"] + args)
+  rc = commands.main(["diloco_jax", "sim"] + args)
   return rc, capsys.readouterr()
 
 
@@ -337,7 +338,7 @@ def test_cli_json_and_plots(tmp_path, capsys):
 ])
 def test_cli_errors_name_the_flag(args, names, capsys):
   with pytest.raises(SystemExit) as e:
-    cli.main(["sim"] + args)
+    commands.main(["diloco_jax", "sim"] + args)
   assert e.value.code == 2 and names in capsys.readouterr().err
 
 
@@ -383,7 +384,7 @@ def test_help_names_the_command():
 
 
 def test_sim_does_not_import_jax():
-  code = "import sys; from diloco_jax.tools.sim import cli, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
+  code = "import sys; from diloco_jax.tools.sim import args, goodput_cli, bandwidth_cli; print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
   assert out.stdout.strip() == "False", out.stderr
 

@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 
-from diloco_jax.tools.sim import cli as sim_cli
+from diloco_jax import commands
 from diloco_jax.tools.sim import sizing
 from diloco_jax.tools.sim import syncer
 from diloco_jax.tools.sim import syncer_cli
@@ -134,7 +134,7 @@ def test_shard_count_is_monotone_on_b12():
 
 
 def _run(args, capsys):
-  rc = sim_cli.main(["sim", "syncer", *args])
+  rc = commands.main(["diloco_jax", "sim", "syncer", *args])
   return rc, capsys.readouterr()
 
 
@@ -168,7 +168,7 @@ def test_cli_json_and_table(capsys):
 ])
 def test_cli_errors_name_the_flag(args, names, capsys):
   with pytest.raises(SystemExit) as e:
-    sim_cli.main(["sim", "syncer", "--configs", TINY, *args])
+    commands.main(["diloco_jax", "sim", "syncer", "--configs", TINY, *args])
   assert e.value.code == 2 and names in capsys.readouterr().err
 
 

@@ -1,12 +1,11 @@
 """Tokenizers: bytes (the zero-setup default) and a SentencePiece model trained locally on the user's text.
 
-  python -m diloco_jax tokenizer --data corpus/ --vocab 32000 --out data/tokenizer.model
-
-The SentencePiece model is BPE with byte fallback and no normalization (`identity`, no dummy prefix, runs of
-spaces kept), so that decoding the encoding of any text gives back the text exactly, code included: a
-character the vocabulary lacks becomes its UTF-8 bytes (`<0x..>` pieces), never `<unk>`. Newlines and tabs
-are pieces of their own; digits are split one by one. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the document
-separator, `eos_id`), then 3 `\\n` and 4 `\\t`, then the 256 byte pieces, then the learned ones.
+The `tokenizer` command (tools/tokenizer.py) trains one. The SentencePiece model is BPE with byte fallback
+and no normalization (`identity`, no dummy prefix, runs of spaces kept), so that decoding the encoding of
+any text gives back the text exactly, code included: a character the vocabulary lacks becomes its UTF-8
+bytes (`<0x..>` pieces), never `<unk>`. Newlines and tabs are pieces of their own; digits are split one by
+one. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the document separator, `eos_id`), then 3 `\\n` and 4 `\\t`, then
+the 256 byte pieces, then the learned ones.
 
 Every tokenizer has the same small interface (`vocab_size`, `eos_id`, `encode`, `decode`, `token_bytes`,
 `reference`): the data pipeline, the `tokenize` command, `eval` (bits per byte) and `sample` use it without
@@ -23,10 +22,8 @@ from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 import sentencepiece as spm
-from absl import flags
 from etils import epath
 
-from diloco_jax import cli
 from diloco_jax.data import corpus
 from diloco_jax.config.schema import ConfigError
 
@@ -247,31 +244,3 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, *, num_thread
                       "text or a smaller --vocab") from None
   return buf.getvalue()
 
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("data", None, "text file or directory (local or gs://) to learn the vocabulary from",
-                      flag_values=fv, required=True)
-  flags.DEFINE_integer("vocab", 32000, "pieces in the vocabulary (model.vocab_size of the configs using it)",
-                       flag_values=fv)
-  flags.DEFINE_string("out", None, "where to write the model file (local or gs://)", flag_values=fv,
-                      required=True)
-  flags.DEFINE_integer("max-bytes", 200_000_000, "read at most this much text (0 = all); SentencePiece "
-                       "holds it all in memory while training", flag_values=fv)
-
-
-def main(argv) -> int:
-  """`python -m diloco_jax tokenizer --data PATH --vocab 32000 --out FILE`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
-  max_bytes = fv["max-bytes"].value
-  try:
-    documents = (text for _, text in read_documents(fv.data, max_bytes, shuffled=True))
-    model = train_sentencepiece(documents, fv.vocab)
-  except (ConfigError, FileNotFoundError) as e:
-    raise cli.UsageError(f"--data: {e}" if isinstance(e, FileNotFoundError) else str(e)) from None
-  out = epath.Path(fv.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_bytes(model)
-  tok = SentencePieceTokenizer(model, fv.out)
-  print(f"tokenizer: {tok.vocab_size} pieces (sha256 {tok.sha256[:16]}) -> {fv.out}; use it with "
-        f"--config.model.vocab_size={tok.vocab_size} --config.data.tokenizer={fv.out}")
-  return 0

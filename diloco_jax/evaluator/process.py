@@ -107,7 +107,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
   return summary
 
 
-def main(argv) -> int:
+def run_evaluator_process(argv) -> int:
   """`python -m diloco_jax evaluator --config C --syncer HOST:PORT --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -263,7 +263,7 @@ def _start_group(config, k: int, devices) -> tuple:
   return watch, multihost.HostChannel(jax.process_index(), jax.process_count(), watch=watch), exit_hooks
 
 
-def main(argv) -> int:
+def run_learner_process(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

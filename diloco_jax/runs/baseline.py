@@ -105,7 +105,7 @@ def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("export", True, "export the final model to WORKDIR/model", flag_values=fv)
 
 
-def main(argv) -> int:
+def train_baseline(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   c = fv.config
   need = c.mesh.num_devices or c.learners.num * c.learners.devices

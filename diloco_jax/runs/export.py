@@ -1,14 +1,9 @@
 """The trained model out of a run: its parameters, config and tokenizer in one directory that `eval` and
 `sample` load.
 
-  python -m diloco_jax export --syncer-workdir runs/x/syncer --config configs/small_cpu.py --run-id local \\
-      --out runs/x/model
-
 `train` and `baseline` export at their end to `WORKDIR/model` (the syncer's global model; the baseline's
-parameters), `local` from the syncer's final checkpoint; this command exports from a syncer's checkpoint
-directory on request (a running syncer's latest periodic checkpoint, or a stopped one's final). The config
-(its `--config.x=y` overrides) and `--run-id` must be the run's: they make the fingerprint the checkpoint
-is checked against. `--out` may be a gs:// path.
+parameters), `local` from the syncer's final checkpoint; the `export` command (tools/export.py) exports
+from a syncer's checkpoint directory on request.
 
 A model directory (local or gs://):
 
@@ -24,16 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import sys
 from typing import Any, Sequence
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-from absl import flags
 from etils import epath
 
-from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
@@ -194,32 +186,3 @@ def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | p
   params = build.global_params_from_state(config, state, run_id, template)
   return params, {**info, "versions": [int(v) for v in state["versions"]]}
 
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer); "
-                      "a sharded syncer's: every shard's, comma-separated", flag_values=fv, required=True)
-  flags.DEFINE_string("run-id", "", "the run's id (the syncer's --run-id; `local` uses 'local', `train` "
-                      "'in-process')", flag_values=fv)
-  flags.DEFINE_string("out", None, "model directory to write (local or gs://)", flag_values=fv, required=True)
-
-
-def main(argv) -> int:
-  """`python -m diloco_jax export --syncer-workdir DIR --config C [--run-id R] --out DIR`."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
-  config = cli.validated(fv.config, None, learners=True, data=False)
-  run_id = fv["run-id"].value
-  try:
-    found = syncer_params(config, fv["syncer-workdir"].value.split(","), run_id)
-  except ValueError as e:
-    raise cli.UsageError(f"--config/--run-id: {e}") from None
-  if found is None:
-    raise cli.UsageError(f"--syncer-workdir: no syncer checkpoint in {fv['syncer-workdir'].value!r}")
-  params, info = found
-  try:
-    out = export(fv.out, config, params, source="syncer checkpoint", run_id=run_id,
-                 syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"])
-  except config_lib.ConfigError as e:  # the tokenizer the config names is missing or does not match
-    raise cli.UsageError(str(e)) from None
-  print(f"export: global model of checkpoint step {info['step']} ({info['rounds']} rounds, versions "
-        f"{info['versions']}) -> {out}", file=sys.stderr)
-  return 0

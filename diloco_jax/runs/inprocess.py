@@ -252,7 +252,7 @@ def _flags(fv: flags.FlagValues) -> None:
                       "(`python -m diloco_jax replay --tape FILE` replays it bit for bit)", flag_values=fv)
 
 
-def main(argv) -> int:
+def train(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   c = fv.config

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 
-# jax only serves the final eval, on devices this launcher sets up in `main` before the backend starts.
+# jax only serves the final eval, on devices this launcher sets up in `launch` before the backend starts.
 import jax
 from absl import flags
 
@@ -478,7 +478,7 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
   return summary
 
 
-def main(argv) -> int:
+def launch(argv) -> int:
   """`python -m diloco_jax local --config CFG --learners N --workdir DIR`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   config = fv.config

@@ -119,7 +119,7 @@ def _tls_from_flags(fv) -> TlsConfig | None:
   return None
 
 
-def main(argv) -> int:
+def run_syncer_process(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,4 +207,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  sys.exit(run_syncer_process(sys.argv))

@@ -117,7 +117,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("json", False, "print one JSON object per model instead of a line", flag_values=fv)
 
 
-def main(argv) -> int:
+def evaluate_models(argv) -> int:
   """`python -m diloco_jax eval --model DIR [--model DIR ...] [--data PATH]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
   cli.enable_compilation_cache()

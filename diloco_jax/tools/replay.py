@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 
 from absl import flags
 
@@ -84,7 +83,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("tape", None, "the tape file a syncer wrote (--record-tape)", flag_values=fv)
 
 
-def main(argv) -> int:
+def replay_tape(argv) -> int:
+  """`python -m diloco_jax replay --tape PATH`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, __doc__, config=False)
   if not fv.tape:
     raise cli.UsageError("--tape is required")
@@ -99,6 +99,3 @@ def main(argv) -> int:
   print(f"replay: {len(segments)} segment(s), {'all identical' if not bad else f'{bad} differ'}")
   return 1 if bad else 0
 
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv))

@@ -88,7 +88,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("devices", 0, "devices to use (default all)", flag_values=fv)
 
 
-def main(argv) -> int:
+def sample_text(argv) -> int:
   """`python -m diloco_jax sample --model DIR --prompt TEXT`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
   cli.enable_compilation_cache()

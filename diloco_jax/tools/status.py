@@ -110,7 +110,7 @@ def format_status(status: dict, target: str = "") -> str:
   return "\n".join(out)
 
 
-def main(argv) -> int:
+def show_status(argv) -> int:
   """`python -m diloco_jax status --syncer HOST:PORT [--watch]`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   targets, token = client_flags.targets(fv), client_flags.token(fv)

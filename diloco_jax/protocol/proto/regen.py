@@ -15,7 +15,8 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def main(argv=None) -> int:
+def regenerate(argv=None) -> int:
+  """Runs protoc on diloco.proto and makes the service module import its messages package-relative."""
   del argv
   from grpc_tools import protoc
   import grpc_tools
@@ -42,4 +43,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(regenerate())

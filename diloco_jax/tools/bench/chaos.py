@@ -42,15 +42,18 @@ import time
 import numpy as np
 from absl import flags
 
-from diloco_jax.tools import chaos
 from diloco_jax import cli
 from diloco_jax.outer import schedule
 from diloco_jax.runs import local as launch_local
+from diloco_jax.tools.chaos import history
+from diloco_jax.tools.chaos import job as chaos_job
+from diloco_jax.tools.chaos import schedule as chaos_schedule
+from diloco_jax.tools.chaos.analysis import verdict
 from diloco_jax.tools.sim import goodput as sim_goodput
 
 
 def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
-                     horizon_s: float = 7200.0) -> list[chaos.Event]:
+                     horizon_s: float = 7200.0) -> list[chaos_schedule.Event]:
   """Learner kills at the times of a Poisson process of mean interval `mtbf_s` (job-wide), each on a
   uniformly drawn learner, each restarted after `repair_s`."""
   rng = np.random.default_rng(seed)
@@ -59,13 +62,13 @@ def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
     t += float(rng.exponential(mtbf_s))
     if t > horizon_s:
       return events
-    events.append(chaos.Event(round(t, 1), "learner_kill", int(rng.integers(learners)), repair_s))
+    events.append(chaos_schedule.Event(round(t, 1), "learner_kill", int(rng.integers(learners)), repair_s))
 
 
 # ---- the data-parallel job under the same schedule -------------------------------------------------------
 
 
-def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events: list[chaos.Event], say,
+def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events: list[chaos_schedule.Event], say,
             timeout_s: float) -> dict:
   """The baseline process under `events` (see the module docstring); returns its raw record."""
   if workdir.exists():
@@ -87,37 +90,12 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
       if now - t_launch > timeout_s:
         failure = f"timed out after {timeout_s:.0f} s"
         break
-      if t_train is None and chaos.step_records(workdir):
+      if t_train is None and history.step_records(workdir):
         t_train = now
         note("training: the schedule starts")
       while t_train is not None and todo and t_train + todo[0].at_s <= now:
-        event = todo.pop(0)
-        if event.kind.startswith("syncer"):
-          note(f"skipped ({event.describe()}): no syncer in data-parallel")
-        elif child is None or child.poll() is not None:
-          note(f"skipped ({event.describe()}): the job is down")
-        elif event.kind == "learner_kill":
-          child.proc.send_signal(signal.SIGCONT)
-          child.proc.kill()
-          child.proc.wait()
-          child.close()
-          child = None
-          note(f"failure on worker {event.target}: kill -9 the whole job (restart in {event.duration_s:g} s)")
-          pending.append((now + event.duration_s, "restart"))
-        else:
-          child.proc.send_signal(signal.SIGSTOP)
-          note(f"{event.describe()}: the synchronous job stalls (SIGSTOP)")
-          pending.append((now + event.duration_s, "cont"))
-      for due, action in list(pending):
-        if due <= now:
-          pending.remove((due, action))
-          if action == "restart":
-            child = start()
-            restarts.append(time.time())
-            note("restarted from its last checkpoint")
-          elif child is not None:
-            child.proc.send_signal(signal.SIGCONT)
-            note("SIGCONT")
+        child = _dp_apply(todo.pop(0), child, now, note, pending)
+      child = _dp_follow_ups(pending, now, child, start, restarts, note)
       if child is not None and child.poll() is not None:
         if child.poll() == 0:
           break
@@ -138,10 +116,47 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
           "restarts": restarts, "log": log, "summary": summary}
 
 
+def _dp_apply(event: chaos_schedule.Event, child, now: float, note, pending: list[tuple[float, str]]):
+  """Applies one event to the data-parallel job (a learner fault stops the whole job); returns its process
+  (None once killed). Follow-ups (restart, SIGCONT) go to `pending` as (due time, action)."""
+  if event.kind.startswith("syncer"):
+    note(f"skipped ({event.describe()}): no syncer in data-parallel")
+  elif child is None or child.poll() is not None:
+    note(f"skipped ({event.describe()}): the job is down")
+  elif event.kind == "learner_kill":
+    child.proc.send_signal(signal.SIGCONT)
+    child.proc.kill()
+    child.proc.wait()
+    child.close()
+    child = None
+    note(f"failure on worker {event.target}: kill -9 the whole job (restart in {event.duration_s:g} s)")
+    pending.append((now + event.duration_s, "restart"))
+  else:
+    child.proc.send_signal(signal.SIGSTOP)
+    note(f"{event.describe()}: the synchronous job stalls (SIGSTOP)")
+    pending.append((now + event.duration_s, "cont"))
+  return child
+
+
+def _dp_follow_ups(pending: list[tuple[float, str]], now: float, child, start, restarts: list[float], note):
+  """Carries out the follow-ups due by `now`; returns the job's process (a new one after a restart)."""
+  for due, action in list(pending):
+    if due <= now:
+      pending.remove((due, action))
+      if action == "restart":
+        child = start()
+        restarts.append(time.time())
+        note("restarted from its last checkpoint")
+      elif child is not None:
+        child.proc.send_signal(signal.SIGCONT)
+        note("SIGCONT")
+  return child
+
+
 def _dp_measure(config, workdir: pathlib.Path, raw: dict) -> dict:
   """Window rate (tokens of the surviving trajectory per second from the first to the last record),
   restart cost, eval loss."""
-  records = chaos.step_records(workdir)
+  records = history.step_records(workdir)
   tokens_per_step = config.data.global_batch * config.data.seq_len
   out = {"finished": raw["finished"], "failure": raw["failure"], "events": raw["log"],
          "failures": len(raw["restarts"])}
@@ -157,7 +172,7 @@ def _dp_measure(config, workdir: pathlib.Path, raw: dict) -> dict:
     if first is not None:
       costs.append(first[0] - r)
   out["restart_cost_s"] = float(np.mean(costs)) if costs else None
-  out["redone_steps"] = chaos.redone_steps(workdir, config.train.log_every)
+  out["redone_steps"] = history.redone_steps(workdir, config.train.log_every)
   return out
 
 
@@ -166,7 +181,7 @@ def _learner_restart_cost(workdir: pathlib.Path, report: dict) -> float | None:
   costs = []
   for e in report["events"]:
     if e["kind"] == "learner_restart":
-      first = next((t for t, _ in chaos.step_records(workdir / f"learner_{e['target']}") if t > e["t"]), None)
+      first = next((t for t, _ in history.step_records(workdir / f"learner_{e['target']}") if t > e["t"]), None)
       if first is not None:
         costs.append(first - e["t"])
   return float(np.mean(costs)) if costs else None
@@ -222,12 +237,13 @@ def _flags(fv):
   flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
 
 
-def main(argv) -> int:
+def bench_chaos(argv) -> int:
+  """`python -m diloco_jax bench chaos --config C --learners N ...`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   config, learners = fv.config, fv.learners
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")
-  config_argv = chaos.chaos_config_argv(config, launch_local.config_args(argv), learners)
+  config_argv = chaos_job.chaos_config_argv(config, launch_local.config_args(argv), learners)
   if not config.train.min_step_s and fv["min-step-s"].value > 0:
     config.train.min_step_s = fv["min-step-s"].value
     config_argv.append(f"--config.train.min_step_s={config.train.min_step_s}")
@@ -240,7 +256,7 @@ def main(argv) -> int:
   say = lambda line: print(line, file=sys.stderr, flush=True)
   mtbf, repair, timeout = fv["mtbf-s"].value, fv["repair-s"].value, fv["timeout-s"].value
   try:
-    events = (chaos.load_schedule(fv.schedule, learners) if fv.schedule
+    events = (chaos_schedule.load_schedule(fv.schedule, learners) if fv.schedule
               else failure_schedule(fv.seed, learners, mtbf, repair))
   except ValueError as e:
     raise cli.UsageError(str(e)) from None
@@ -250,11 +266,11 @@ def main(argv) -> int:
     dl_ref = json.loads(pathlib.Path(fv["diloco-reference"].value).read_text())["reference_run"]
   else:
     say("bench chaos: Decoupled DiLoCo, undisturbed")
-    dl_ref = chaos.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
-                           timeout_s=timeout, reference=None)
+    dl_ref = chaos_job.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
+                               timeout_s=timeout, reference=None)
   say("bench chaos: Decoupled DiLoCo under the schedule")
-  dl = chaos.run_job(config, config_argv, root / "diloco", "bench", events, say=say, timeout_s=timeout,
-                     reference=dl_ref)
+  dl = chaos_job.run_job(config, config_argv, root / "diloco", "bench", events, say=say, timeout_s=timeout,
+                         reference=dl_ref)
   dl["learner_restart_cost_s"] = _learner_restart_cost(root / "diloco", dl)
   say("bench chaos: data-parallel, undisturbed")
   dp_ref = _dp_measure(config, root / "dp_reference",
@@ -268,6 +284,17 @@ def main(argv) -> int:
   dp["goodput"] = dp["rate"] / dp_ref["rate"]
   sims = sim_configs(config, learners, mtbf, dp, dl, dl_ref, dp_ref, repair)
   predicted = {k: sim_goodput.simulate(cfg, repeats=fv.repeats, seed=fv.seed) for k, cfg in sims.items()}
+  result = _result(config, events, dl, dl_ref, dp, dp_ref, sims, predicted, mtbf=mtbf, repair=repair)
+  (root / "bench_chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+  _print_result(result)
+  print(f"bench chaos: {root / 'bench_chaos.json'}")
+  return 0
+
+
+def _result(config, events, dl: dict, dl_ref: dict, dp: dict, dp_ref: dict, sims: dict, predicted: dict, *,
+            mtbf: float, repair: float) -> dict:
+  """The figures of both strategies beside the simulator's (what bench_chaos.json holds)."""
+  learners = config.learners.num
   result = {
       "learners": learners, "steps": config.train.steps, "mtbf_s": mtbf, "repair_s": repair,
       "schedule": [dataclasses.asdict(e) for e in events if e.at_s < max(dl["train_s"], 1) * 3],
@@ -275,7 +302,7 @@ def main(argv) -> int:
                  "failures": dl["faults_applied"]["learner_kill"],  # kills of a learner already down: none
                  "restart_cost_s": dl["learner_restart_cost_s"], "tokens_redone": dl["tokens_redone"],
                  "provisioned_learner_s": dl["provisioned_learner_s"], "predicted": predicted["diloco"].goodput,
-                 "predicted_ci": predicted["diloco"].goodput_ci, "checks": chaos.verdict(config, dl)},
+                 "predicted_ci": predicted["diloco"].goodput_ci, "checks": verdict(config, dl)},
       "dp": {"goodput": dp["goodput"], "eval_loss": dp["eval_loss"], "reference_eval_loss": dp_ref["eval_loss"],
              "failures": dp["failures"], "restart_cost_s": dp["restart_cost_s"], "window_s": dp["window_s"],
              "redone_steps": dp["redone_steps"], "predicted": predicted["dp"].goodput,
@@ -284,7 +311,11 @@ def main(argv) -> int:
   }
   result["ratio"] = dl["goodput"] / dp["goodput"] if dp["goodput"] > 0 else None
   result["diloco_vs_sim_points"] = 100 * (dl["goodput"] - predicted["diloco"].goodput)
-  (root / "bench_chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+  return result
+
+
+def _print_result(result: dict) -> None:
+  """The table of both strategies, measured beside simulated, and the ratio."""
   print(f"\n{'':18}{'goodput':>9}{'simulated':>16}{'failures':>10}{'restart cost':>14}{'eval loss':>22}")
   for name, key in (("Decoupled DiLoCo", "diloco"), ("data-parallel", "dp")):
     r = result[key]
@@ -293,5 +324,3 @@ def main(argv) -> int:
           f"{r['failures']:>10}{cost:>14}{r['eval_loss']:>12.4f} ({r['reference_eval_loss']:.4f})")
   print(f"DiLoCo / data-parallel goodput: {result['ratio']:.2f}x; DiLoCo measured - simulated: "
         f"{result['diloco_vs_sim_points']:+.1f} points (eval loss: under the schedule, undisturbed in brackets)")
-  print(f"bench chaos: {root / 'bench_chaos.json'}")
-  return 0

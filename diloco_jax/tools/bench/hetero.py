@@ -49,7 +49,7 @@ from diloco_jax.runs import local as launch_local
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.tools.sim import goodput as sim_goodput
-from diloco_jax.tools.sim.cli import parse_groups
+from diloco_jax.tools.sim.args import parse_groups
 
 SETTINGS = sim_goodput.QUORUM_SETTINGS  # all, k1, k1grace: the paper's three rows
 # The paper's mixed-hardware rows (8 learners, 4 TPU v6e beside 4 TPU v5p): goodput (%), average text and
@@ -290,7 +290,7 @@ def format_result(result: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv) -> int:
+def bench_hetero(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   settings = [s.strip() for s in fv.settings if s.strip()]

@@ -192,7 +192,7 @@ def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str,
   return results
 
 
-def main(argv) -> int:
+def bench_multihost(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   config.learners.num = 1

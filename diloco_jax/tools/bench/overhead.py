@@ -88,7 +88,8 @@ class _MemorySampler:
     tracemalloc.stop()
 
 
-def main(argv) -> int:
+def bench_overhead(argv) -> int:
+  """`python -m diloco_jax bench overhead --config C`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   cli.validated(config, len(cli.devices(config.learners.num * config.learners.devices, "bench overhead")),
@@ -110,19 +111,7 @@ def main(argv) -> int:
   _timed(bare.train_step, bare, 3)
   _timed(learner.train_step, learner.trainer, h + 2)
 
-  bare_rates, learner_rates = [_timed(bare.train_step, bare, steps)], []
-  cpu0 = learner.stats.outer_cpu_s, learner.comms.cpu_s
-  learner_wall = 0.0
-  for i in range(fv.chunks):
-    t0 = time.perf_counter()
-    learner_rates.append(_timed(learner.train_step, learner.trainer, steps))
-    learner_wall += time.perf_counter() - t0
-    bare_rates.append(_timed(bare.train_step, bare, steps))
-    print(f"  chunk {i + 1}/{fv.chunks}: with outer loop {learner_rates[-1]:,.0f} tok/s, bare "
-          f"{bare_rates[-1]:,.0f} tok/s", file=sys.stderr)
-  step_cpu = (learner.stats.outer_cpu_s - cpu0[0]) / (fv.chunks * steps)
-  worker_cpu = (learner.comms.cpu_s - cpu0[1]) / (fv.chunks * steps)
-  step_s = learner_wall / (fv.chunks * steps)
+  bare_rates, learner_rates, step_cpu, worker_cpu, step_s = _chunks(bare, learner, fv.chunks, steps)
   pair_ratios = [r / ((a + b) / 2) for r, a, b in zip(learner_rates, bare_rates, bare_rates[1:])]
 
   with _MemorySampler() as sampler:
@@ -149,18 +138,42 @@ def main(argv) -> int:
       "learner_host_bytes_bound": (learner.max_in_flight + 1) * largest,
       "syncer_host_bytes_peak": sampler.peak["syncer_core"], "syncer_host_bytes_bound": 4 * model_bytes,
   }
-  if fv.json:
-    print(json.dumps(result, indent=2))
-  else:
-    print(f"tokens/s: bare inner step {result['bare_tokens_per_s']:,.0f}, with the outer loop "
-          f"{result['learner_tokens_per_s']:,.0f}: ratio {ratio:.3f} (median of {len(pair_ratios)} bracketed "
-          f"chunks, {min(pair_ratios):.3f} to {max(pair_ratios):.3f}; ratio of medians "
-          f"{result['ratio_of_medians']:.3f}; goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
-          f"{learner.stats.syncs} syncs, blocked {learner.stats.blocked_s:.2f}s, max_in_flight {learner.max_in_flight}")
-    print(f"outer loop host CPU per step: {1e3 * (step_cpu + worker_cpu):.2f} ms = "
-          f"{100 * result['outer_cpu_fraction']:.1f}% of the {1e3 * step_s:.0f} ms step (step boundaries "
-          f"{1e3 * step_cpu:.2f} ms, sync workers {1e3 * worker_cpu:.2f} ms incl. the in-process merge)")
-    print(f"host memory (traced, peak): learner outer loop {result['learner_host_bytes_peak'] / 2**20:.2f} MiB "
-          f"(bound {result['learner_host_bytes_bound'] / 2**20:.2f}); syncer core "
-          f"{result['syncer_host_bytes_peak'] / 2**20:.2f} MiB (bound {result['syncer_host_bytes_bound'] / 2**20:.2f})")
+  print(json.dumps(result, indent=2) if fv.json else _format_result(result))
   return 0
+
+
+def _chunks(bare, learner, chunks: int, steps: int) -> tuple[list[float], list[float], float, float, float]:
+  """`chunks` x `steps` steps with the outer loop, each bracketed by as many bare steps: (bare tokens/s,
+  learner tokens/s, outer-loop CPU per step at step boundaries, in sync workers, wall time per step)."""
+  bare_rates, learner_rates = [_timed(bare.train_step, bare, steps)], []
+  cpu0 = learner.stats.outer_cpu_s, learner.comms.cpu_s
+  learner_wall = 0.0
+  for i in range(chunks):
+    t0 = time.perf_counter()
+    learner_rates.append(_timed(learner.train_step, learner.trainer, steps))
+    learner_wall += time.perf_counter() - t0
+    bare_rates.append(_timed(bare.train_step, bare, steps))
+    print(f"  chunk {i + 1}/{chunks}: with outer loop {learner_rates[-1]:,.0f} tok/s, bare "
+          f"{bare_rates[-1]:,.0f} tok/s", file=sys.stderr)
+  step_cpu = (learner.stats.outer_cpu_s - cpu0[0]) / (chunks * steps)
+  worker_cpu = (learner.comms.cpu_s - cpu0[1]) / (chunks * steps)
+  return bare_rates, learner_rates, step_cpu, worker_cpu, learner_wall / (chunks * steps)
+
+
+def _format_result(result: dict) -> str:
+  """The figures of `bench_overhead` in three lines."""
+  ratio, pair_ratios = result["ratio"], result["pair_ratios"]
+  step_cpu, worker_cpu, step_s = result["boundary_cpu_per_step_s"], result["worker_cpu_per_step_s"], result["step_s"]
+  return "\n".join([
+      f"tokens/s: bare inner step {result['bare_tokens_per_s']:,.0f}, with the outer loop "
+      f"{result['learner_tokens_per_s']:,.0f}: ratio {ratio:.3f} (median of {len(pair_ratios)} bracketed "
+      f"chunks, {min(pair_ratios):.3f} to {max(pair_ratios):.3f}; ratio of medians "
+      f"{result['ratio_of_medians']:.3f}; goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
+      f"{result['syncs']} syncs, blocked {result['blocked_s']:.2f}s, max_in_flight {result['max_in_flight']}",
+      f"outer loop host CPU per step: {1e3 * (step_cpu + worker_cpu):.2f} ms = "
+      f"{100 * result['outer_cpu_fraction']:.1f}% of the {1e3 * step_s:.0f} ms step (step boundaries "
+      f"{1e3 * step_cpu:.2f} ms, sync workers {1e3 * worker_cpu:.2f} ms incl. the in-process merge)",
+      f"host memory (traced, peak): learner outer loop {result['learner_host_bytes_peak'] / 2**20:.2f} MiB "
+      f"(bound {result['learner_host_bytes_bound'] / 2**20:.2f}); syncer core "
+      f"{result['syncer_host_bytes_peak'] / 2**20:.2f} MiB (bound {result['syncer_host_bytes_bound'] / 2**20:.2f})",
+  ])

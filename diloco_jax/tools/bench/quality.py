@@ -212,7 +212,7 @@ def _parse_budgets(values: list[str]) -> list[int]:
   return budgets
 
 
-def main(argv) -> int:
+def bench_quality(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   budgets = _parse_budgets(fv.budgets)

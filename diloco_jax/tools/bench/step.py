@@ -113,24 +113,7 @@ def run(config, devices, *, steps: int, warmup: int, matmul_dtype: str = "float3
   _log(f"{trainer.num_params:,} params, mesh {dict(mesh.shape)}, {tokens_per_step:,} tokens/step; "
        f"compiling the inner step ...")
 
-  state = trainer.state
-  t_compile = time.perf_counter()
-  state, metrics = trainer.step_fn(state, batches[0])
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t_compile
-  _log(f"compiled + first step in {compile_s:.1f}s; {warmup} warm-up and {steps} timed steps ...")
-
-  # The state is donated at every call: thread it through a closure instead of re-passing the old one.
-  holder = {"state": state}
-
-  def one_step(batch):
-    holder["state"], m = trainer.step_fn(holder["state"], batch)
-    return m
-
-  step_s, last_metrics = _time_calls(one_step, lambda i: (batches[i % _NUM_BATCHES],), steps, warmup)
-  loss = float(jax.device_get(last_metrics["loss"]))
-  if not math.isfinite(loss):
-    raise trainer_lib.NonFiniteLoss(f"loss is {loss} during the benchmark; lower train.lr")
+  compile_s, step_s, loss = _time_steps(trainer, batches, steps, warmup)
   tokens_per_s = steps * tokens_per_step / step_s
   model_flops_per_s = tokens_per_s * flops_per_token
   _log(f"{step_s / steps * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s; timing the reference matmul ...")
@@ -140,7 +123,6 @@ def run(config, devices, *, steps: int, warmup: int, matmul_dtype: str = "float3
                                               step_flops, jnp.dtype(matmul_dtype))
   mm_s, _ = _time_calls(mm_fn, lambda i: mm_args, steps, warmup)
   matmul_flops_per_s = steps * mm_flops / mm_s
-  trainer.state = holder["state"]
   trainer.close()
   result = {
       "config_model": config.model.to_dict(),
@@ -169,6 +151,31 @@ def run(config, devices, *, steps: int, warmup: int, matmul_dtype: str = "float3
   return result
 
 
+def _time_steps(trainer, batches: list, steps: int, warmup: int) -> tuple[float, float, float]:
+  """Compiles the inner step (with its first call), then times `steps` calls after `warmup`: (compile and
+  first step seconds, seconds of the timed steps, the last loss). The trainer keeps the final state."""
+  state = trainer.state
+  t_compile = time.perf_counter()
+  state, metrics = trainer.step_fn(state, batches[0])
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - t_compile
+  _log(f"compiled + first step in {compile_s:.1f}s; {warmup} warm-up and {steps} timed steps ...")
+
+  # The state is donated at every call: thread it through a closure instead of re-passing the old one.
+  holder = {"state": state}
+
+  def one_step(batch):
+    holder["state"], m = trainer.step_fn(holder["state"], batch)
+    return m
+
+  step_s, last_metrics = _time_calls(one_step, lambda i: (batches[i % _NUM_BATCHES],), steps, warmup)
+  loss = float(jax.device_get(last_metrics["loss"]))
+  if not math.isfinite(loss):
+    raise trainer_lib.NonFiniteLoss(f"loss is {loss} during the benchmark; lower train.lr")
+  trainer.state = holder["state"]
+  return compile_s, step_s, loss
+
+
 def _report(r: dict) -> str:
   return "\n".join([
       f"devices          {r['num_devices']} x {r['device_kind']} ({r['platform']}), mesh {r['mesh']}",
@@ -185,7 +192,7 @@ def _report(r: dict) -> str:
   ])
 
 
-def main(argv) -> int:
+def bench_step(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   config = fv.config
   available = cli.devices(fv.devices or config.mesh.num_devices or config.learners.num * config.learners.devices,

@@ -225,7 +225,7 @@ def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("json", False, "print the result as JSON", flag_values=fv)
 
 
-def main(argv) -> int:
+def bench_syncer(argv) -> int:
   """`python -m diloco_jax bench syncer`; see the module docstring."""
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   try:

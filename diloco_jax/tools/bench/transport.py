@@ -277,7 +277,7 @@ def _flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("size", 0, "internal: the server's fragment size in parameters", flag_values=fv)
 
 
-def main(argv) -> int:
+def bench_transport(argv) -> int:
   """`python -m diloco_jax bench transport [--mb 64] [--codecs fp32,int4] [--json]`."""
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   if fv.serve:

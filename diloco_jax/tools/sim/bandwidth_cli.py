@@ -19,7 +19,7 @@ import os
 
 from diloco_jax import cli
 from diloco_jax.tools.sim import bandwidth
-from diloco_jax.tools.sim.cli import definer, numbers
+from diloco_jax.tools.sim.args import definer, numbers
 
 _DEFAULT = bandwidth.BandwidthConfig()
 
@@ -97,7 +97,7 @@ def format_report(cfg: bandwidth.BandwidthConfig, utilizations: list[float]) -> 
   return "\n".join(lines)
 
 
-def main(argv) -> int:
+def sim_bandwidth(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   cfg = config_from(fv)
   utilizations = numbers(fv, "utilization")

@@ -27,7 +27,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.tools.sim import goodput
-from diloco_jax.tools.sim.cli import definer, numbers, parse_groups, progress
+from diloco_jax.tools.sim.args import definer, numbers, parse_groups, progress
 
 _DEFAULT = goodput.SimConfig()
 
@@ -260,7 +260,7 @@ def run(fv) -> dict:
           "elapsed_s": time.perf_counter() - start, "config": base, "settings": settings}
 
 
-def main(argv) -> int:
+def sim_goodput(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   try:
     result = run(fv)

@@ -16,7 +16,7 @@ late contribution). The round closes when `syncer.policy.round_close_time` says 
 round's arrivals (and their learners' step times) after each of them, with the learners alive at that
 moment (the project's own quorum and grace rule, not a copy).
 
-Each learner's wall time runs through its failure stalls (from `goodput.simulate_job`): it computes only
+Each learner's wall time runs through its failure stalls (from `failures.simulate_job`): it computes only
 outside them. Inner steps vary with coefficient of variation `step_cv` (a segment of n steps takes a
 Gamma-distributed time, the exact sum of n Gamma steps), at the learner's own speed.
 
@@ -153,121 +153,122 @@ class _Round:
 
 def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, rng: np.random.Generator,
              record: bool = False) -> RoundsResult:
-  """Run the outer loop of `learners` for `window_s` seconds of wall time."""
-  s = schedule
-  m = len(learners)
-  policy = s.policy
-  segs = s.segment_steps()
-  order = s.fragment_order()
-  n_seg = len(segs)
-  clocks = [_Clock(lr.stall_starts, lr.stall_ends) for lr in learners]
-  step_times = [s.step_s / lr.speed for lr in learners]  # what each learner reports to the syncer
-  tau_work = [s.tau * s.step_s / lr.speed for lr in learners]
+  """Run the outer loop of `learners` for `window_s` seconds of wall time (with `record`: every push and
+  round in `RoundsResult.records`)."""
+  return _OuterLoop(schedule, learners, window_s, rng, record).run()
 
-  # Alive learners over time (stalled = not alive), for the policy's effective quorum.
-  edges, deltas = [], []
-  for c in clocks:
-    edges += c.starts + c.ends
-    deltas += [-1] * len(c.starts) + [1] * len(c.ends)
-  eorder = sorted(range(len(edges)), key=edges.__getitem__)
-  edge_t = [edges[i] for i in eorder]
-  alive_after = list(np.cumsum([deltas[i] for i in eorder]) + m) if edges else []
 
-  def alive(t: float) -> int:
-    i = bisect.bisect_right(edge_t, t)
-    return int(alive_after[i - 1]) if i else m
+class _OuterLoop:
+  """The event loop of `simulate`: the learners' and the syncer's state, and one method per event."""
 
-  # Work (compute seconds) at which each learner's pushes fall due, drawn in chunks as needed.
-  targets: list[list[float]] = [[] for _ in range(m)]
+  def __init__(self, schedule: Schedule, learners: Sequence[Learner], window_s: float, rng: np.random.Generator,
+               record: bool):
+    s = self.s = schedule
+    m = self.m = len(learners)
+    self.learners, self.window_s, self.rng, self.record = learners, window_s, rng, record
+    self.segs = s.segment_steps()
+    self.order = s.fragment_order()
+    self.n_seg = len(self.segs)
+    self.clocks = [_Clock(lr.stall_starts, lr.stall_ends) for lr in learners]
+    self.step_times = [s.step_s / lr.speed for lr in learners]  # what each learner reports to the syncer
+    self.tau_work = [s.tau * s.step_s / lr.speed for lr in learners]
+    # Alive learners over time (stalled = not alive), for the policy's effective quorum.
+    edges, deltas = [], []
+    for c in self.clocks:
+      edges += c.starts + c.ends
+      deltas += [-1] * len(c.starts) + [1] * len(c.ends)
+    eorder = sorted(range(len(edges)), key=edges.__getitem__)
+    self.edge_t = [edges[i] for i in eorder]
+    self.alive_after = list(np.cumsum([deltas[i] for i in eorder]) + m) if edges else []
+    # Work (compute seconds) at which each learner's pushes fall due, drawn in chunks as needed.
+    self.targets: list[list[float]] = [[] for _ in range(m)]
+    self.heap: list = []
+    self.seq = 0
+    # Learner state.
+    self.k_next = [0] * m  # index of the learner's next push
+    self.blocked_c = [0.0] * m  # compute capacity lost to blocking so far
+    self.block_from: list[float | None] = [None] * m
+    self.after_push = [False] * m  # blocked right after a push (tau = 0) rather than before one
+    self.in_flight: list[list[_Sync]] = [[] for _ in range(m)]  # oldest first
+    self.base = [[0] * s.fragments for _ in range(m)]
+    # Syncer state.
+    self.version = [0] * s.fragments
+    self.open_round: list[_Round | None] = [None] * s.fragments
+    self.deferred: list[list[tuple[int, float]]] = [[] for _ in range(s.fragments)]
+    self.contributors, self.latency, self.closes0 = [], [], [0.0]
+    self.pushes = self.late = self.deferred_n = 0
+    self.push_records, self.round_records = [], []
 
-  def target(j: int, k: int) -> float:
-    tj = targets[j]
+  def alive(self, t: float) -> int:
+    i = bisect.bisect_right(self.edge_t, t)
+    return int(self.alive_after[i - 1]) if i else self.m
+
+  def target(self, j: int, k: int) -> float:
+    s, tj = self.s, self.targets[j]
     while k >= len(tj):
       n = max(256, len(tj))
-      steps = np.array([segs[(len(tj) + i) % n_seg] for i in range(n)], np.float64)
-      mean = steps * s.step_s / learners[j].speed
-      dur = rng.gamma(steps / s.step_cv ** 2, mean / steps * s.step_cv ** 2) if s.step_cv > 0 else mean
+      steps = np.array([self.segs[(len(tj) + i) % self.n_seg] for i in range(n)], np.float64)
+      mean = steps * s.step_s / self.learners[j].speed
+      dur = self.rng.gamma(steps / s.step_cv ** 2, mean / steps * s.step_cv ** 2) if s.step_cv > 0 else mean
       start = tj[-1] if tj else 0.0
       tj.extend((start + np.cumsum(dur)).tolist())
     return tj[k]
 
-  heap: list = []
-  seq = 0
+  def schedule_event(self, t: float, kind: int, a: int, b: int = 0) -> None:
+    if t <= self.window_s:
+      heapq.heappush(self.heap, (t, kind, self.seq, a, b))
+      self.seq += 1
 
-  def schedule_event(t: float, kind: int, a: int, b: int = 0) -> None:
-    nonlocal seq
-    if t <= window_s:
-      heapq.heappush(heap, (t, kind, seq, a, b))
-      seq += 1
-
-  # Learner state.
-  k_next = [0] * m  # index of the learner's next push
-  blocked_c = [0.0] * m  # compute capacity lost to blocking so far
-  block_from: list[float | None] = [None] * m
-  after_push = [False] * m  # blocked right after a push (tau = 0) rather than before one
-  in_flight: list[list[_Sync]] = [[] for _ in range(m)]  # oldest first
-  base = [[0] * s.fragments for _ in range(m)]
-  # Syncer state.
-  version = [0] * s.fragments
-  open_round: list[_Round | None] = [None] * s.fragments
-  deferred: list[list[tuple[int, float]]] = [[] for _ in range(s.fragments)]
-  contributors, latency, closes0 = [], [], [0.0]
-  pushes = late = deferred_n = 0
-  push_records, round_records = [], []
-
-  for j in range(m):
-    schedule_event(clocks[j].wall(target(j, 0)), _PUSH, j)
-
-  def evaluate(p: int, rnd: _Round, now: float) -> None:
-    close = syncer_policy.round_close_time(policy, rnd.arrivals, max(alive(now), 1), rnd.step_times, s.t_sync_s)
+  def evaluate(self, p: int, rnd: _Round, now: float) -> None:
+    close = syncer_policy.round_close_time(self.s.policy, rnd.arrivals, max(self.alive(now), 1), rnd.step_times,
+                                           self.s.t_sync_s)
     if close is not None:
       rnd.gen += 1
-      schedule_event(max(close, now), _CLOSE, p, rnd.gen)
+      self.schedule_event(max(close, now), _CLOSE, p, rnd.gen)
 
-  def join_round(p: int, j: int, now: float, sync: _Sync | None) -> None:
-    nonlocal deferred_n
-    rnd = open_round[p]
+  def join_round(self, p: int, j: int, now: float, sync: _Sync | None) -> None:
+    rnd = self.open_round[p]
     if rnd is None:
-      rnd = open_round[p] = _Round(now)
+      rnd = self.open_round[p] = _Round(now)
     if j in rnd.members:
       # One push per learner per round: this one is merged in the next round.
-      deferred[p].append((j, now))
-      deferred_n += 1
+      self.deferred[p].append((j, now))
+      self.deferred_n += 1
     else:
       rnd.members.add(j)
       rnd.arrivals.append(now)
-      rnd.step_times.append(step_times[j])
-      evaluate(p, rnd, now)
+      rnd.step_times.append(self.step_times[j])
+      self.evaluate(p, rnd, now)
     if sync is not None:
       rnd.results.append(sync)
 
-  def block(j: int, now: float, until: float | None, sync: _Sync | None) -> None:
+  def block(self, j: int, now: float, until: float | None, sync: _Sync | None) -> None:
     """Learner j waits: until a known time, or until `sync`'s round publishes."""
-    if block_from[j] is None:
-      block_from[j] = now
+    if self.block_from[j] is None:
+      self.block_from[j] = now
     if until is not None:
-      schedule_event(until, _WAKE, j)
+      self.schedule_event(until, _WAKE, j)
     else:
       sync.waiting = True
 
-  def unblock(j: int, now: float) -> None:
-    if block_from[j] is not None:
-      blocked_c[j] += clocks[j].capacity(now) - clocks[j].capacity(block_from[j])
-      block_from[j] = None
+  def unblock(self, j: int, now: float) -> None:
+    if self.block_from[j] is not None:
+      self.blocked_c[j] += self.clocks[j].capacity(now) - self.clocks[j].capacity(self.block_from[j])
+      self.block_from[j] = None
 
-  def next_push(j: int) -> None:
-    k_next[j] += 1
-    schedule_event(clocks[j].wall(target(j, k_next[j]) + blocked_c[j]), _PUSH, j)
+  def next_push(self, j: int) -> None:
+    self.k_next[j] += 1
+    self.schedule_event(self.clocks[j].wall(self.target(j, self.k_next[j]) + self.blocked_c[j]), _PUSH, j)
 
-  def try_push(j: int, now: float) -> None:
-    nonlocal pushes, late
-    p = order[k_next[j] % n_seg]
-    flight = in_flight[j]
+  def try_push(self, j: int, now: float) -> None:
+    s = self.s
+    p = self.order[self.k_next[j] % self.n_seg]
+    flight = self.in_flight[j]
     # Work done so far: frozen while the learner waits.
-    work = clocks[j].capacity(now if block_from[j] is None else block_from[j]) - blocked_c[j]
+    work = self.clocks[j].capacity(now if self.block_from[j] is None else self.block_from[j]) - self.blocked_c[j]
     # Adopt what came back at least tau steps after its snapshot (the loop's `_adopt_ready`).
     flight[:] = [x for x in flight if not (x.result_at is not None and x.result_at <= now
-                                             and work >= x.work_at + tau_work[j])]
+                                             and work >= x.work_at + self.tau_work[j])]
     # Due again before its previous sync came back: wait for it (then adopt it).
     mine = next((x for x in flight if x.fragment == p), None)
     while True:
@@ -275,97 +276,106 @@ def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, r
       if wait_on is None:
         break
       if wait_on.result_at is None or wait_on.result_at > now:
-        block(j, now, wait_on.result_at, wait_on)
+        self.block(j, now, wait_on.result_at, wait_on)
         return
       flight.remove(wait_on)  # done: adopted at once
       mine = None
-    unblock(j, now)
-    v, b = version[p], base[j][p]
+    self.unblock(j, now)
+    v, b = self.version[p], self.base[j][p]
     sync = _Sync(j, p, now, work)
-    pushes += 1
+    self.pushes += 1
     if b < v:
       # Late: the pull for a version after the base returns the current one at once.
-      late += 1
+      self.late += 1
       sync.result_at, sync.version = now, v
-      base[j][p] = v
-      join_round(p, j, now, None)
+      self.base[j][p] = v
+      self.join_round(p, j, now, None)
     else:
-      join_round(p, j, now, sync)
+      self.join_round(p, j, now, sync)
     flight.append(sync)
-    if record:
-      push_records.append({"learner": j, "fragment": p, "at": now, "base": b, "late": b < v, "sync": sync})
+    if self.record:
+      self.push_records.append({"learner": j, "fragment": p, "at": now, "base": b, "late": b < v, "sync": sync})
     if s.tau == 0 and sync.result_at is None:
-      after_push[j] = True
-      block(j, now, None, sync)
+      self.after_push[j] = True
+      self.block(j, now, None, sync)
       return
-    next_push(j)
+    self.next_push(j)
 
-  def close(p: int, now: float) -> None:
-    rnd = open_round[p]
-    open_round[p] = None
-    version[p] += 1
-    published = now + s.t_sync_s
-    contributors.append(len(rnd.members))
-    latency.append(now - rnd.opened)
+  def close(self, p: int, now: float) -> None:
+    rnd = self.open_round[p]
+    self.open_round[p] = None
+    self.version[p] += 1
+    published = now + self.s.t_sync_s
+    self.contributors.append(len(rnd.members))
+    self.latency.append(now - rnd.opened)
     if p == 0:
-      closes0.append(now)
-    if record:
-      round_records.append({"fragment": p, "opened": rnd.opened, "arrivals": list(rnd.arrivals),
-                            "step_times": list(rnd.step_times),
-                            "members": sorted(rnd.members), "alive": alive(rnd.arrivals[-1]),
-                            "closed": now, "version": version[p]})
+      self.closes0.append(now)
+    if self.record:
+      self.round_records.append({"fragment": p, "opened": rnd.opened, "arrivals": list(rnd.arrivals),
+                                 "step_times": list(rnd.step_times),
+                                 "members": sorted(rnd.members), "alive": self.alive(rnd.arrivals[-1]),
+                                 "closed": now, "version": self.version[p]})
     for sync in rnd.results:
-      sync.result_at, sync.version = published, version[p]
-      base[sync.learner][p] = version[p]
+      sync.result_at, sync.version = published, self.version[p]
+      self.base[sync.learner][p] = self.version[p]
       if sync.waiting:
         sync.waiting = False
-        schedule_event(published, _WAKE, sync.learner)
-    if deferred[p]:
-      held, deferred[p] = deferred[p], []
-      nxt = open_round[p] = _Round(now)
+        self.schedule_event(published, _WAKE, sync.learner)
+    if self.deferred[p]:
+      held, self.deferred[p] = self.deferred[p], []
+      nxt = self.open_round[p] = _Round(now)
       for j, _ in held:
         if j not in nxt.members:
           nxt.members.add(j)
           nxt.arrivals.append(now)
-          nxt.step_times.append(step_times[j])
-      evaluate(p, nxt, now)
+          nxt.step_times.append(self.step_times[j])
+      self.evaluate(p, nxt, now)
 
-  while heap:
-    now, kind, _, a, b = heapq.heappop(heap)
-    if kind == _CLOSE:
-      rnd = open_round[a]
-      if rnd is not None and rnd.gen == b:
-        close(a, now)
-      continue
-    j = a
-    if kind == _WAKE:
-      resume = clocks[j].stall_end(now)
-      if resume > now:  # woken inside a failure stall: go on when it ends
-        schedule_event(resume, _WAKE, j)
+  def run(self) -> RoundsResult:
+    """Every event up to the window's end, in time order; then the result."""
+    for j in range(self.m):
+      self.schedule_event(self.clocks[j].wall(self.target(j, 0)), _PUSH, j)
+    heap, open_round, clocks, after_push = self.heap, self.open_round, self.clocks, self.after_push
+    while heap:
+      now, kind, _, a, b = heapq.heappop(heap)
+      if kind == _CLOSE:
+        rnd = open_round[a]
+        if rnd is not None and rnd.gen == b:
+          self.close(a, now)
         continue
-      if after_push[j]:
-        after_push[j] = False
-        unblock(j, now)
-        next_push(j)
-        continue
-    try_push(j, now)
+      j = a
+      if kind == _WAKE:
+        resume = clocks[j].stall_end(now)
+        if resume > now:  # woken inside a failure stall: go on when it ends
+          self.schedule_event(resume, _WAKE, j)
+          continue
+        if after_push[j]:
+          after_push[j] = False
+          self.unblock(j, now)
+          self.next_push(j)
+          continue
+      self.try_push(j, now)
+    return self.result()
 
-  for j in range(m):
-    unblock(j, window_s)
-  available = np.array([c.capacity(window_s) for c in clocks])
-  closes0.append(window_s)
-  records = None
-  if record:
-    records = {"pushes": [{**r, "result_at": r["sync"].result_at, "result_version": r["sync"].version}
-                          for r in push_records], "rounds": round_records}
-    for r in records["pushes"]:
-      del r["sync"]
-  return RoundsResult(
-      window_s=window_s, blocked_s=np.array(blocked_c), available_s=available, pushes=pushes, late_pushes=late,
-      deferred_pushes=deferred_n, contributors=np.array(contributors, np.int64),
-      latency_s=np.array(latency), max_update_gap_s=float(np.max(np.diff(closes0))),
-      unmerged_at_end=sum(len(r.members) for r in open_round if r is not None) + sum(map(len, deferred)),
-      records=records)
+  def result(self) -> RoundsResult:
+    window_s = self.window_s
+    for j in range(self.m):
+      self.unblock(j, window_s)
+    available = np.array([c.capacity(window_s) for c in self.clocks])
+    self.closes0.append(window_s)
+    records = None
+    if self.record:
+      records = {"pushes": [{**r, "result_at": r["sync"].result_at, "result_version": r["sync"].version}
+                            for r in self.push_records], "rounds": self.round_records}
+      for r in records["pushes"]:
+        del r["sync"]
+    return RoundsResult(
+        window_s=window_s, blocked_s=np.array(self.blocked_c), available_s=available, pushes=self.pushes,
+        late_pushes=self.late, deferred_pushes=self.deferred_n, contributors=np.array(self.contributors, np.int64),
+        latency_s=np.array(self.latency), max_update_gap_s=float(np.max(np.diff(self.closes0))),
+        unmerged_at_end=sum(len(r.members) for r in self.open_round if r is not None)
+        + sum(map(len, self.deferred)),
+        records=records)
 
 
 def lockstep_goodput(speeds: Sequence[float]) -> float:

@@ -24,7 +24,6 @@ parameters are materialized).
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import flags
 
@@ -214,7 +213,7 @@ def _define_flags(fv):
   flags.DEFINE_bool("json", False, "print JSON instead of text", flag_values=fv)
 
 
-def main(argv) -> int:
+def sim_sizing(argv) -> int:
   """`python -m diloco_jax sim sizing --config CFG [--learners M] [--step-s S] [--json]`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   if fv.learners < 0 or fv["step-s"].value < 0:
@@ -224,6 +223,3 @@ def main(argv) -> int:
   print(json.dumps(s, indent=2) if fv.json else format_sizing(s, config))
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv))

@@ -27,7 +27,7 @@ from diloco_jax.outer import chunked
 from diloco_jax import cli
 from diloco_jax.tools.sim import sizing
 from diloco_jax.tools.sim import syncer
-from diloco_jax.tools.sim.cli import definer, numbers
+from diloco_jax.tools.sim.args import definer, numbers
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -166,7 +166,7 @@ def format_table(rows: list[dict], shards: int, step_s: float, cores: int, host_
   return "\n".join(lines)
 
 
-def main(argv) -> int:
+def sim_syncer(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   learners = numbers(fv, "learners", int)
   if not learners or min(learners) < 1:

@@ -1,0 +1,80 @@
+"""Pre-tokenize text into ArrayRecord shards: `python -m diloco_jax tokenize`.
+
+  python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data corpus/ --out data/tokens --shards 16
+
+Every file of `--data` (a file or a directory, local or gs://; hidden files skipped) is one document. A file
+goes to the eval split by the same path-hash rule as the byte-level corpus (`--eval-fraction`; a single
+file holds out its tail instead, cut at a line end). Each document is encoded and followed by the
+tokenizer's eos id; train documents go, in sorted order, to whichever of the `--shards` train files holds
+the fewest tokens so far (so they end up balanced and disjoint), eval documents to `--eval-shards` files.
+
+Output in `--out` (local or gs://; gs:// output is written locally first, then copied):
+
+  train-00000-of-00016.array_record ...   records of `--chunk-tokens` consecutive tokens of the file's stream
+  eval-00000-of-00001.array_record         (the last record of a file may be shorter), little-endian uint16
+  tokens.json                              (uint32 above 65,536 pieces); the tokenizer's path and sha256,
+                                           and per file its documents, tokens and text bytes
+
+A config reads them with `data.format="array_record"`, `data.tokenizer=FILE`,
+`data.train_files="DIR/train-*.array_record"` and `data.eval_files="DIR/eval-*.array_record"`
+(`data/pipeline.py`'s `TokenWindows`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from absl import flags
+from etils import epath
+
+from diloco_jax import cli
+from diloco_jax.config.schema import ConfigError
+from diloco_jax.data import token_windows
+from diloco_jax.data import shards
+from diloco_jax.data import tokenizer as tokenizer_lib
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("tokenizer", None, "SentencePiece model (`python -m diloco_jax tokenizer`)",
+                      flag_values=fv, required=True)
+  flags.DEFINE_string("data", None, "text file or directory (local or gs://)", flag_values=fv, required=True)
+  flags.DEFINE_string("out", None, "output directory (local or gs://)", flag_values=fv, required=True)
+  flags.DEFINE_integer("shards", 16, "train files (a learner reads windows of all of them)", flag_values=fv)
+  flags.DEFINE_integer("eval-shards", 1, "eval files", flag_values=fv)
+  flags.DEFINE_float("eval-fraction", 0.05, "expected fraction of files held out for eval", flag_values=fv)
+  flags.DEFINE_integer("chunk-tokens", shards.CHUNK_TOKENS, "tokens per ArrayRecord record", flag_values=fv)
+  flags.DEFINE_integer("max-bytes", 0, "read at most this much text (0 = all)", flag_values=fv)
+
+
+def tokenize_text(argv) -> int:
+  """`python -m diloco_jax tokenize --tokenizer FILE --data PATH --out DIR --shards N`."""
+  fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
+  try:
+    tok = tokenizer_lib.load(fv.tokenizer)
+  except ConfigError as e:
+    raise cli.UsageError(str(e).replace("config.data.tokenizer", "--tokenizer")) from None
+  out = fv.out
+  remote = "://" in out
+  try:
+    with tempfile.TemporaryDirectory(prefix="diloco_tokens_") as staging:
+      local = staging if remote else out
+      meta = shards.write_shards(tok, fv.data, local, num_shards=fv.shards,
+                                 num_eval_shards=fv["eval-shards"].value, eval_fraction=fv["eval-fraction"].value,
+                                 chunk_tokens=fv["chunk-tokens"].value, max_bytes=fv["max-bytes"].value)
+      if remote:
+        dest = epath.Path(out)
+        dest.mkdir(parents=True, exist_ok=True)
+        # tokens.json last: its presence says the shards are complete.
+        names = sorted(meta["files"]) + [token_windows.SHARD_METADATA]
+        for name in names:
+          epath.Path(local, name).copy(dest / name, overwrite=True)
+  except FileNotFoundError as e:
+    raise cli.UsageError(f"--data: {e}") from None
+  except ConfigError as e:
+    raise cli.UsageError(str(e)) from None
+  t = meta["tokens"]
+  print(f"tokenize: {t['train']:,} train tokens in {fv.shards} files, {t['eval']:,} eval tokens in "
+        f"{fv['eval-shards'].value} -> {out}; use them with --config.data.format=array_record "
+        f"--config.data.tokenizer={fv.tokenizer} --config.data.train_files={out}/train-*.array_record "
+        f"--config.data.eval_files={out}/eval-*.array_record --config.model.vocab_size={tok.vocab_size}")
+  return 0
