@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import sys
+import threading
 from typing import Callable
 
 from absl import flags
@@ -139,3 +141,47 @@ def check_fragment_plan(config) -> None:
                               "outer.schedule_power") if message.startswith(f)),
                  "outer.num_fragments")
     raise config_lib.ConfigError(f"config.{field}: {message}") from None
+
+
+EXIT_FAILED = 1
+
+
+class StopSignals:
+  """SIGTERM and SIGINT ask the process to stop: the first sets `stopped` (polled between steps, or waited
+  on with `wait`) and runs `on_first`; with `exit_on_second`, a second one exits at once with
+  `EXIT_FAILED` (for a process whose orderly stop can hang on a dead peer). The previous handlers come back
+  when the `with` block ends. Every process command handles its signals with this one class."""
+
+  def __init__(self, name: str, doing: str = "stopping", on_first: Callable[[], None] = lambda: None,
+               exit_on_second: bool = True):
+    self.name, self.doing, self._on_first, self._exit_on_second = name, doing, on_first, exit_on_second
+    self.received: list[int] = []
+    self.stopped = threading.Event()
+    self._previous: dict = {}
+
+  def __enter__(self) -> "StopSignals":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    self.received.append(signum)
+    if len(self.received) > 1 and self._exit_on_second:
+      print(f"{self.name}: second signal {signum}: exiting at once", file=sys.stderr, flush=True)
+      os._exit(EXIT_FAILED)
+    if len(self.received) == 1:
+      print(f"{self.name}: signal {signum}: {self.doing}", file=sys.stderr, flush=True)
+      self._on_first()
+    self.stopped.set()
+
+  def __call__(self) -> bool:
+    return self.stopped.is_set()
+
+  def wait(self, timeout_s: float | None = None) -> bool:
+    """Wait until a signal came (or `timeout_s` passed); whether one came."""
+    return self.stopped.wait(timeout_s)
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)

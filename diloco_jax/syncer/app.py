@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import signal
-import sys
 import threading
 
 from absl import flags
@@ -119,10 +117,8 @@ def _tls_from_flags(fv) -> TlsConfig | None:
   return None
 
 
-def run_syncer_process(argv) -> int:
-  """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _checked(fv):
+  """The validated config, the run token and TLS settings, or a usage error naming the bad flag or field."""
   config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
   tls = _tls_from_flags(fv)
   try:
@@ -134,14 +130,14 @@ def run_syncer_process(argv) -> int:
   if not 0 <= shard < shards or shards > config.outer.num_fragments:
     raise cli.UsageError(f"syncer: --shard ({shard}) must be in [0, --shards) and --shards ({shards}) in "
                          f"[1, outer.num_fragments={config.outer.num_fragments}]")
+  return config, token, tls
 
-  workdir = pathlib.Path(fv.workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  config_lib.save_resolved(config, workdir, fv["run-id"].value)
-  s = config.syncer
+
+def _restored(config, fv, workdir: pathlib.Path):
+  """The core (resumed from its checkpoint and journal with --resume), its checkpointer and journal."""
   tape = Tape(fv["record-tape"].value) if fv["record-tape"].value else None
-  core, fingerprint = build_core(config, fv["run-id"].value, shard=shard, shards=shards, tape=tape)
-  ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(s.keep_checkpoints))
+  core, fingerprint = build_core(config, fv["run-id"].value, shard=fv.shard, shards=fv.shards, tape=tape)
+  ckpt = checkpoint.SyncerCheckpointer(workdir / "syncer_checkpoints", keep=int(config.syncer.keep_checkpoints))
   journal = checkpoint.Journal(workdir / "journal.json", timeline=workdir / "versions.jsonl")
   record = None
   if fv.resume:
@@ -160,51 +156,61 @@ def run_syncer_process(argv) -> int:
           f"(checkpoint {restored_versions}, journal {record['versions']}); lost to crashes so far: "
           f"{counters['rounds_rolled_back']} rounds, {counters['contributions_lost_open']} open-round "
           "contributions (the learners push that work again)", flush=True)
+  return core, fingerprint, ckpt, journal
 
-  stop = threading.Event()
-  received = []
 
-  def on_signal(signum, frame):
-    del frame
-    received.append(signum)
-    stop.set()
+class _Serving:
+  """The threads around a serving core: gRPC (and the data plane), the ticker, the periodic checkpointer,
+  the decision log and the monitor; `stop` ends them in order."""
 
-  signal.signal(signal.SIGTERM, on_signal)
-  signal.signal(signal.SIGINT, on_signal)
+  def __init__(self, core: SyncerCore, config, fv, workdir: pathlib.Path, token: str, tls, fingerprint: str,
+               ckpt: checkpoint.SyncerCheckpointer):
+    self.core, self.ckpt = core, ckpt
+    self.ticker = Ticker(core)
+    self.handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
+                        data_plane=bool(config.syncer.data_plane), fingerprint=fingerprint,
+                        max_workers=fv["max-workers"].value or workers_for(config),
+                        allow_remote=fv["allow-remote"].value)
+    self.periodic = PeriodicCheckpointer(ckpt, core, int(config.syncer.checkpoint_every_rounds))
+    self.rounds_log = metrics_lib.DrainLog(core.drain_decisions, workdir, "rounds")
+    self.metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
+    self.monitor = SyncerMonitor(core, self.metrics_log)
 
-  ticker = Ticker(core)
-  handle = serve(core, fv.bind, token=token, tls=tls, limits=Limits.from_config(config),
-                 data_plane=bool(config.syncer.data_plane),
-                 fingerprint=fingerprint, max_workers=fv["max-workers"].value or workers_for(config),
-                 allow_remote=fv["allow-remote"].value)
-  periodic = PeriodicCheckpointer(ckpt, core, int(s.checkpoint_every_rounds))
-  rounds_log = metrics_lib.DrainLog(core.drain_decisions, workdir, "rounds")
-  metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.SYNCER_TAGS)
-  monitor = SyncerMonitor(core, metrics_log)
-  host = fv.bind.rsplit(":", 1)[0]
-  (workdir / "syncer.port").write_text(f"{handle.port}\n")
-  owned = f"shard {shard}/{shards}, fragments {core.status()['owned']}; " if shards > 1 else ""
-  print(f"syncer: serving {host}:{handle.port} {owned}fingerprint {fingerprint} "
-        f"({'TLS' if tls else 'plaintext'}); workdir {workdir}", flush=True)
-  while not stop.wait(1.0):
-    pass
-  print(f"syncer: signal {received[0] if received else '?'}: stopping", flush=True)
-  handle.stop(grace=float(s.shutdown_grace_s))
-  ticker.stop()
-  closed = core.close_open_rounds()  # merge what the open rounds hold rather than drop it
-  if closed:
-    print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
-  rounds_log.close()  # after the last rounds closed: their decisions are written too
-  monitor.stop()
-  metrics_log.close()
-  step = periodic.stop()
-  core.close_tape()
-  ckpt.close()
+  def stop(self, grace_s: float) -> int:
+    """Stop serving (calls in flight get `grace_s`), merge what the open rounds hold, write the final
+    checkpoint and wait for it; returns its step."""
+    self.handle.stop(grace=grace_s)
+    self.ticker.stop()
+    closed = self.core.close_open_rounds()  # merge what the open rounds hold rather than drop it
+    if closed:
+      print(f"syncer: closed the open rounds of fragments {closed} with what they held", flush=True)
+    self.rounds_log.close()  # after the last rounds closed: their decisions are written too
+    self.monitor.stop()
+    self.metrics_log.close()
+    step = self.periodic.stop()
+    self.core.close_tape()
+    self.ckpt.close()
+    return step
+
+
+def run_syncer_process(argv) -> int:
+  """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
+  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  config, token, tls = _checked(fv)
+  workdir = pathlib.Path(fv.workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.save_resolved(config, workdir, fv["run-id"].value)
+  core, fingerprint, ckpt, journal = _restored(config, fv, workdir)
+  with cli.StopSignals("syncer", exit_on_second=False) as signals:
+    serving = _Serving(core, config, fv, workdir, token, tls, fingerprint, ckpt)
+    (workdir / "syncer.port").write_text(f"{serving.handle.port}\n")
+    owned = f"shard {fv.shard}/{fv.shards}, fragments {core.status()['owned']}; " if fv.shards > 1 else ""
+    print(f"syncer: serving {fv.bind.rsplit(':', 1)[0]}:{serving.handle.port} {owned}fingerprint {fingerprint} "
+          f"({'TLS' if tls else 'plaintext'}); workdir {workdir}", flush=True)
+    signals.wait()
+    step = serving.stop(float(config.syncer.shutdown_grace_s))
   journal.close()
   print(f"syncer: final checkpoint step {step} in {ckpt.directory}; versions {core.status()['versions']}",
         flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(run_syncer_process(sys.argv))
