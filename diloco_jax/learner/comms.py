@@ -14,7 +14,7 @@ fragment that may never come and returns `abandoned` (with the push's receipt, i
 Fetches say which version's reference the learner holds (`have_version`, its base version for that
 fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
 quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
-(see `syncer/core.py`, "Downlink" and "Epochs").
+(see `syncer/downlink.py`).
 
 Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
 start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.

@@ -17,7 +17,7 @@ with the rule's raw weight w_j (`raw_weights`):
     uniform:              w = 1
 
 and W the raw weight of one period of every learner the round answers for (the syncer's choice, see
-`syncer/core.py`: every live learner, so that a round holding part of them moves the model by their share
+`syncer/rules/rounds.py`: every counted learner, so that a round holding part of them moves the model by their share
 of the work, or only the round's contributors, a plain weighted mean). A learner that pushes two periods
 into one round has both merged, each with its own weight: its periods add up, they are not averaged. The
 staleness discount multiplies the coefficient after that normalization, so it holds even for a lone stale

@@ -1,7 +1,7 @@
 """When a syncer round may close: the minimum quorum and the adaptive grace window.
 
-Pure functions of numbers, shared by the live syncer core (`syncer/core.py`) and the scale simulator
-(`sim/`), so that what the simulator predicts is what the syncer does.
+Pure functions of numbers, shared by the syncer's round rules (`syncer/rules/rounds.py`) and the scale
+simulator (`tools/sim/`), so that what the simulator predicts is what the syncer does.
 
 The grace rule (the paper's "Eq. 3", made explicit). A learner that pushed fragment p at its snapshot
 adopts the merged result tau inner steps later. Counting from the moment the round opened (its first

@@ -12,7 +12,7 @@ The learners follow the real learner's rules (`diloco_jax/learner/loop.py`):
 
 The syncer keeps one open round per fragment. A push joins the open round (or opens one); a learner is in
 a round at most once: a second push of the same learner waits for the next round (it is merged there, as a
-late contribution). The round closes when `syncer.policy.round_close_time` says so, evaluated on the
+late contribution). The round closes when `syncer.rules.quorum.round_close_time` says so, evaluated on the
 round's arrivals (and their learners' step times) after each of them, with the learners alive at that
 moment (the project's own quorum and grace rule, not a copy).
 

@@ -1,6 +1,6 @@
 """The syncer at scale: its memory per fragment and per shard, the parameters it must absorb per second at
 a config's schedule, and the number of shards that keeps up. Pure functions of the fragment sizes and a few
-figures; `python -m diloco_jax sim syncer` (`sim/syncer_cli.py`) prints them for the shipped configs.
+figures; `python -m diloco_jax sim syncer` (`tools/sim/syncer_cli.py`) prints them for the shipped configs.
 
 Memory. What the syncer holds per fragment is `sizing.fragment_memory` (the fp32 global, the Nesterov
 momentum, the downlink references with a lossy downlink, the cached fp32 answer, the latest deltas, and the pushes an open round buffers as they arrived); a syncer process owning a set of fragments has the peak

@@ -29,7 +29,7 @@ from diloco_jax.tools.sim import sizing
 from diloco_jax.tools.sim import syncer
 from diloco_jax.tools.sim.args import definer, numbers
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs"
 
 
 def shipped_configs() -> list[str]:
@@ -142,7 +142,7 @@ def format_table(rows: list[dict], shards: int, step_s: float, cores: int, host_
       "",
       "ingest/s: parameters the syncer absorbs per second, M x params / (H x step); merge cores: the cores that",
       "takes at the merge rate per core (`bench syncer`). 1 process: the peak memory estimate of today's syncer",
-      "(`sim sizing`). The syncer is not sharded yet: the shard columns are what a sharded syncer would need,",
+      "(`sim sizing`). The shard columns: a sharded syncer (`syncer --shard I --shards S`) of S processes,",
       "whole fragments per shard balanced by bytes, each shard a process with its own open rounds and",
       "checkpoint copies. shards: the fewest that keep up (every shard's ingest within its merge threads x the",
       "rate), fit (estimate x 1.25 + 4 GB within the host), and both ('-': not even with one fragment per",
