@@ -42,7 +42,7 @@ from diloco_jax.protocol import wire
 from diloco_jax.protocol.chunking import BufferPool
 from diloco_jax.protocol.messages import Published, PullCall
 from diloco_jax.protocol.reasons import Reason, Rejected
-from diloco_jax.syncer.server.gate import Refusal, SyncerGate
+from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy, Slots
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class DataPlaneServer:
     except DecodeError as e:
       self.gate.count("data_refused_protocol")
       conn.sendall(wire.refusal(Reason.PROTOCOL, f"unreadable request header: {e}"))
-    except Refusal as e:
+    except GateRefusal as e:
       self.gate.count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
 

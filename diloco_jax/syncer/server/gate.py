@@ -4,7 +4,7 @@ only translate their wire to the gate's calls (`protocol.convert`) and its answe
 
 The gate decides as the service: a caller over its call rate, a declared payload over the largest valid
 one, a Pull, Heartbeat or Leave of another run (with `fingerprint`), a malformed field are refused here
-(`Refusal`, whose `Reason` names the status code) and never reach, so never change, the core; the core's
+(`GateRefusal`, whose `Reason` names the status code) and never reach, so never change, the core; the core's
 own refusals (`protocol.Rejected`) pass through. It keeps the service's counters (`status()["server"]`).
 
 Callers. A caller is (where the call came from, the learner id it claims): the gRPC connection's peer
@@ -33,7 +33,7 @@ MAX_STEP = 1 << 53  # a reported inner step beyond this is garbage (and would lo
 CONNECTION = "on this connection"  # where a gRPC caller's calls come from, as a rate-limit refusal says
 
 
-class Refusal(Exception):
+class GateRefusal(Exception):
   """A refusal decided by the gate: the core never sees the call. `reason` names the status code."""
 
   def __init__(self, reason: Reason, message: str):
@@ -86,13 +86,13 @@ class SyncerGate:
   def admit(self, caller: tuple[str, Any], where: str = CONNECTION) -> None:
     """Spend one call of `caller`'s rate, or refuse ("rate_limit"); `where` says where it calls from."""
     if not self._rate.allow(caller):
-      raise Refusal(Reason.RATE_LIMIT, f"learner {caller[1]} {where} exceeds {self.limits.rate_per_s:g} calls/s")
+      raise GateRefusal(Reason.RATE_LIMIT, f"learner {caller[1]} {where} exceeds {self.limits.rate_per_s:g} calls/s")
 
   def check_fingerprint(self, fingerprint: str) -> None:
     """Refuse ("fingerprint") a call of another run, when the service knows the run's fingerprint."""
     if self.fingerprint is not None and not hmac.compare_digest(fingerprint.encode(), self.fingerprint.encode()):
-      raise Refusal(Reason.FINGERPRINT,
-                    f"rejected (fingerprint): run/config fingerprint {shorten(fingerprint)} is not this run's")
+      raise GateRefusal(Reason.FINGERPRINT,
+                        f"rejected (fingerprint): run/config fingerprint {shorten(fingerprint)} is not this run's")
 
   # ---- control calls ----
 
@@ -113,9 +113,9 @@ class SyncerGate:
     self.check_fingerprint(call.fingerprint)
     step_time = call.step_time_s
     if not (step_time >= 0 and step_time < math.inf):  # also refuses NaN
-      raise Refusal(Reason.PROTOCOL, f"step_time_s must be finite and >= 0, got {step_time}")
+      raise GateRefusal(Reason.PROTOCOL, f"step_time_s must be finite and >= 0, got {step_time}")
     if call.step is not None and not 0 <= call.step < MAX_STEP:
-      raise Refusal(Reason.PROTOCOL, f"step must be in [0, {MAX_STEP}), got {call.step}")
+      raise GateRefusal(Reason.PROTOCOL, f"step must be in [0, {MAX_STEP}), got {call.step}")
     return self.core.heartbeat(call.learner_id, step_time, step=call.step, blocked=call.blocked)
 
   def status(self, caller) -> dict:
@@ -132,8 +132,8 @@ class SyncerGate:
     """Admit a push's header: the caller's rate, and a declared payload no larger than a valid push's."""
     self.admit(caller, where)
     if total_size > self.max_push_bytes:
-      raise Refusal(Reason.OVERSIZE, f"declared payload of {total_size} bytes exceeds the limit of "
-                    f"{self.max_push_bytes}")
+      raise GateRefusal(Reason.OVERSIZE, f"declared payload of {total_size} bytes exceeds the limit of "
+                        f"{self.max_push_bytes}")
 
   def push(self, push: Push) -> PushReceipt:
     """The core's receipt for a push whose header `check_push` admitted (counted as served)."""
@@ -153,7 +153,7 @@ class SyncerGate:
       self.core.check_learner_id(call.learner_id)
     timeout = call.timeout_s
     if not (timeout >= 0 and timeout < math.inf):
-      raise Refusal(Reason.PROTOCOL, f"timeout_s must be finite and >= 0, got {timeout}")
+      raise GateRefusal(Reason.PROTOCOL, f"timeout_s must be finite and >= 0, got {timeout}")
     return min(timeout, self.limits.max_pull_wait_s)
 
   def pull(self, call: PullCall, wait_s: float = 0.0) -> Published | None:

@@ -4,7 +4,7 @@ gate (`gate.py`, through `protocol.convert`), and the answer back.
 * Chunking: fragments travel as a header message plus chunks, so any size passes under the per-message
   limit; Push payloads are reassembled from what arrived (`protocol.chunking.Reassembler`), never allocated
   from the declared size.
-* Refusals: the gate's `Refusal`, the core's `Rejected`, a full slot (`Busy`) and a broken chunk stream
+* Refusals: the gate's `GateRefusal`, the core's `Rejected`, a full slot (`Busy`) and a broken chunk stream
   (`ProtocolError`, a malformed request whatever rule it broke) are answered with the status code of their
   `Reason`, the reason in the `diloco-reason` trailing metadata. A bad call never crashes the server.
 * Threads: Push streams and Pulls (their long-poll and their chunk stream) need one of the gate's slots: at
@@ -27,7 +27,7 @@ from diloco_jax.protocol import convert
 from diloco_jax.protocol.chunking import ProtocolError, Reassembler
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol.reasons import REASON_METADATA_KEY, Reason, Rejected, shorten, status_of
-from diloco_jax.syncer.server.gate import Refusal, SyncerGate
+from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy
 from diloco_jax.syncer.server.watch import Stream, StreamWatch
 
@@ -39,7 +39,7 @@ _QUIET_REASONS = (Reason.RATE_LIMIT, Reason.BUSY)
 
 def _refusal(e: Exception) -> tuple[str, str, str] | None:
   """(status code name, message, reason) of a refusal; None for anything else."""
-  if isinstance(e, Refusal):
+  if isinstance(e, GateRefusal):
     return e.reason.status, e.message, e.reason
   if isinstance(e, Busy):
     return e.reason.status, str(e), e.reason
@@ -146,21 +146,21 @@ class SyncerServicer(pb_grpc.SyncerServicer):
   def _push(self, request_iterator, context, stream: Stream):
     first = next(request_iterator, None)
     if stream.cut:
-      raise Refusal(Reason.STALLED, f"Push stream cut: {stream.cut}")
+      raise GateRefusal(Reason.STALLED, f"Push stream cut: {stream.cut}")
     if first is None or first.WhichOneof("kind") != "header":
-      raise Refusal(Reason.PROTOCOL, "a Push stream must start with a header message")
+      raise GateRefusal(Reason.PROTOCOL, "a Push stream must start with a header message")
     header = first.header
     self.gate.check_push(self._caller(context, header.learner_id), int(header.total_size))
     payload = Reassembler(int(header.total_size), "push payload")
     stream.progress()  # the header counts: the stall clock of the payload starts now
     for msg in request_iterator:
       if msg.WhichOneof("kind") != "data":
-        raise Refusal(Reason.PROTOCOL, "a second header in one Push stream")
+        raise GateRefusal(Reason.PROTOCOL, "a second header in one Push stream")
       payload.add(msg.offset, msg.data)
       if msg.data:  # only bytes are progress: empty chunks do not keep a stream alive
         stream.progress()
     if stream.cut:
-      raise Refusal(Reason.STALLED, f"Push stream cut: {stream.cut}")
+      raise GateRefusal(Reason.STALLED, f"Push stream cut: {stream.cut}")
     return self.gate.push(convert.push_from(header, payload.finish()))
 
   @_rpc(stream=True)
