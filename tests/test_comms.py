@@ -28,7 +28,7 @@ def test_sync_pushes_and_returns_the_merged_global():
   core = helpers.make_core((N,), k=1, lr=1.0, momentum=0.0)  # one learner: the new global = base - delta
   comms = make_comms(core)
   try:
-    assert comms.join() == {0: 0}
+    assert comms.join().versions == {0: 0}
     base = core.global_fragments()[0]
     delta = np.linspace(-1, 1, N).astype(np.float32)
     result = comms.sync(0, delta, base_version=0, steps=5, tokens=320).result(timeout=30)

@@ -12,9 +12,11 @@ import pytest
 import helpers
 from diloco_jax.protocol import wire
 from diloco_jax.protocol.proto import diloco_pb2 as pb
-from diloco_jax.protocol.messages import Rejected
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer.server import dataplane
 from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.syncer.server import limits as limits_lib
+from diloco_jax.transports import errors
 from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "data-plane-token-0123"
@@ -58,7 +60,7 @@ def test_push_and_pull_over_the_data_plane_count_every_byte(syncer):
     published = t.pull(0, 1, timeout_s=5.0)
     assert published.payload == core.pull(0, 1).payload and published.version == 1
     assert t.pull(0, 2, timeout_s=0.2) is None  # the long-poll times out: not found
-  counters = handle.servicer.counters()
+  counters = handle.gate.counters()
   assert counters["data_pushes"] == 1 and counters["data_pulls"] == 1 and counters["pushes"] == 1
 
 
@@ -128,7 +130,7 @@ def test_hostile_streams_are_refused_and_change_nothing(syncer):
     assert _refused(sock)[0] == "protocol"
   time.sleep(0.3)
   assert core.status()["versions"] == [0, 0] and core.counters["contributions_rejected"] == 0
-  counters = handle.servicer.counters()
+  counters = handle.gate.counters()
   assert counters["refused_unauthenticated"] == 2 and counters.get("pushes", 0) == 0
   # The listener still serves an honest client.
   with client(handle) as t:
@@ -141,7 +143,7 @@ def test_slow_senders_time_out_and_connections_are_bounded():
   core = helpers.make_core((5000,), codec="int4")
   core.join(0, FP)
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN, data_plane=False)
-  plane = dataplane.DataPlaneServer(handle.servicer, TOKEN, limits=dataplane.DataPlaneLimits(
+  plane = dataplane.DataPlaneServer(handle.gate, TOKEN, limits=dataplane.DataPlaneLimits(
       max_connections=2, io_timeout_s=0.3, transfer_timeout_s=1.0))
   try:
     push = push_of(core)
@@ -183,7 +185,7 @@ def test_a_broken_data_plane_falls_back_to_grpc(syncer, caplog):
     t.push(push_of(core))
     assert t.pull(0, 1, timeout_s=5.0).version == 1
   assert "using gRPC" in caplog.text
-  assert handle.servicer.counters().get("data_pushes", 0) == 0 and handle.servicer.counters()["pushes"] == 1
+  assert handle.gate.counters().get("data_pushes", 0) == 0 and handle.gate.counters()["pushes"] == 1
 
 
 def test_concurrent_transfers():
@@ -207,7 +209,7 @@ def test_concurrent_transfers():
     for th in threads:
       th.join(30)
     assert not errors and core.status()["versions"] == [1, 1, 1, 1]
-    assert handle.servicer.counters()["data_pushes"] == 4
+    assert handle.gate.counters()["data_pushes"] == 4
   finally:
     handle.stop(grace=0)
 
@@ -264,11 +266,11 @@ def test_observers_pull_and_ids_outside_the_run_are_refused(syncer):
 
 def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
   core = helpers.make_core((5000,), codec="int4")
-  limits = service.Limits(pulls_per_caller=2, rate_per_s=0.5, rate_burst=3)
+  limits = limits_lib.Limits(pulls_per_caller=2, rate_per_s=0.5, rate_burst=3)
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits)
   try:
     waiting = [_send_pull(handle, 0, timeout_s=30.0) for _ in range(2)]  # long-polls for version 1
-    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 2, "two pulls waiting", timeout=10)
+    helpers.wait_for(lambda: handle.data_plane.pull_slots.in_use == 2, "two pulls waiting", timeout=10)
     with _send_pull(handle, 0) as sock:  # a third from the same caller: busy, at once
       assert _answer(sock) == (wire.REFUSED, "busy")
     with _send_pull(handle, 1) as sock:  # another learner is served
@@ -279,8 +281,8 @@ def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
       assert _answer(sock)[1].found is False
     for sock in waiting:  # clients that go away free their slots within the long-poll's slice
       sock.close()
-    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 0, "pull slots to be freed", timeout=10)
-    counters = handle.servicer.counters()
+    helpers.wait_for(lambda: handle.data_plane.pull_slots.in_use == 0, "pull slots to be freed", timeout=10)
+    counters = handle.gate.counters()
     assert counters["data_refused_busy"] == 1 and counters["data_refused_rate_limit"] == 1
   finally:
     handle.stop(grace=0)
@@ -288,31 +290,31 @@ def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
 
 def test_the_client_retries_a_busy_data_plane_and_close_ends_its_transfers():
   core = helpers.make_core((5000,), codec="int4")
-  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=service.Limits(rate_per_s=4, rate_burst=1))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits(rate_per_s=4, rate_burst=1))
   try:
     t = client(handle, backoff_s=0.05, unreachable_deadline_s=10.0)
     t.join(0, FP)  # a gRPC call: its own caller
     t.push(push_of(core))  # spends the data-plane burst
     assert t.pull(0, 1, timeout_s=5.0).version == 1  # refused (rate limit), backed off, retried
     assert t.retries >= 1 and t.data_port == handle.data_plane.port
-    assert handle.servicer.counters()["data_refused_rate_limit"] >= 1
-    assert handle.servicer.counters()["data_pulls"] == 1
+    assert handle.gate.counters()["data_refused_rate_limit"] >= 1
+    assert handle.gate.counters()["data_pulls"] == 1
     failed = []
 
     def long_poll():
       try:
         t.pull(0, 2, timeout_s=30.0)
-      except grpc_transport.SyncerUnreachable as e:
+      except errors.SyncerUnreachable as e:
         failed.append(e)
 
     time.sleep(0.3)  # the bucket refills
     waiter = threading.Thread(target=long_poll)
     waiter.start()
-    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 1, "the long-poll", timeout=10)
+    helpers.wait_for(lambda: handle.data_plane.pull_slots.in_use == 1, "the long-poll", timeout=10)
     t0 = time.monotonic()
     t.close()
     waiter.join(10)
     assert failed and time.monotonic() - t0 < 5.0
-    helpers.wait_for(lambda: handle.data_plane._pull_slots.in_use == 0, "the server to notice", timeout=10)
+    helpers.wait_for(lambda: handle.data_plane.pull_slots.in_use == 0, "the server to notice", timeout=10)
   finally:
     handle.stop(grace=0)

@@ -16,10 +16,13 @@ from diloco_jax.outer import codec as codec_lib
 from diloco_jax.protocol import wire
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
-from diloco_jax.protocol.messages import PushReceipt, Rejected
+from diloco_jax.protocol.messages import PushReceipt
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer.server import auth
 from diloco_jax.syncer import core as core_lib
 from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.syncer.server import limits as limits_lib
+from diloco_jax.transports import errors
 from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "test-token-0123456789"
@@ -54,7 +57,7 @@ def test_push_pull_round_trip(syncer):
   core, handle = syncer
   with client(handle) as t:
     versions = t.join(0, FP)
-    assert versions == {0: 0, 1: 0} and versions.epoch == core.epoch
+    assert versions.versions == {0: 0, 1: 0} and versions.epoch == core.epoch
     assert versions.history == core.history() and len(versions.history) == 1
     before = core.pull(0, 0).payload
     receipt = t.push(make_push(core))
@@ -294,7 +297,7 @@ def test_token_is_required_on_every_call(syncer, token):
   assert core.status()["members"] == {}
   channel.close()
   with client(handle) as t:  # still serving
-    assert t.join(0, FP) == {0: 0, 1: 0}
+    assert t.join(0, FP).versions == {0: 0, 1: 0}
 
 
 def test_client_translates_refusals(syncer):
@@ -308,21 +311,21 @@ def test_client_translates_refusals(syncer):
       t.push(make_push(core, checksum=123))
     assert info.value.reason == "checksum" and "CRC-32" in str(info.value)
   with grpc_transport.GrpcTransport(f"127.0.0.1:{handle.port}", "bad", 0) as t:
-    with pytest.raises(grpc_transport.AuthError):
+    with pytest.raises(errors.AuthError):
       t.status()
 
 
 def test_rate_limit_is_per_caller_and_the_client_backs_off():
   core = make_core()
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN,
-                         limits=service.Limits(rate_per_s=2.0, rate_burst=3))
+                         limits=limits_lib.Limits(rate_per_s=2.0, rate_burst=3))
   try:
     with client(handle, unreachable_deadline_s=0.2, backoff_s=0.05) as t:
       t.join(0, FP)
       t.heartbeat(0, 0.1)
       t.heartbeat(0, 0.1)
       # Over the rate, within a deadline too short for the bucket to refill: given up, saying why.
-      with pytest.raises(grpc_transport.SyncerUnreachable, match="RESOURCE_EXHAUSTED.*calls/s"):
+      with pytest.raises(errors.SyncerUnreachable, match="RESOURCE_EXHAUSTED.*calls/s"):
         t.heartbeat(0, 0.1)
       assert t.retries >= 1
     with client(handle, unreachable_deadline_s=30.0, backoff_s=0.05) as t:
@@ -331,7 +334,7 @@ def test_rate_limit_is_per_caller_and_the_client_backs_off():
       assert t.retries >= 1
     with client(handle, learner_id=1) as t:  # per learner: another one is not throttled
       t.join(1, FP)
-    assert handle.servicer.counters()["refused_resource_exhausted"] >= 2
+    assert handle.gate.counters()["refused_resource_exhausted"] >= 2
   finally:
     handle.stop(grace=0)
 
@@ -349,7 +352,7 @@ def test_retries_until_the_syncer_comes_up():
     port = s.getsockname()[1]
   t = grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, 0, unreachable_deadline_s=0.6, backoff_s=0.05)
   start = time.monotonic()
-  with pytest.raises(grpc_transport.SyncerUnreachable, match="unreachable"):
+  with pytest.raises(errors.SyncerUnreachable, match="unreachable"):
     t.status()
   assert time.monotonic() - start < 5.0 and t.retries >= 2
   t.close()
@@ -358,7 +361,7 @@ def test_retries_until_the_syncer_comes_up():
   threading.Timer(0.5, lambda: handles.append(service.serve(core, f"127.0.0.1:{port}", token=TOKEN))).start()
   with grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, 0, unreachable_deadline_s=20.0,
                                     backoff_s=0.05, max_backoff_s=0.2) as t:
-    assert t.join(0, FP) == {0: 0, 1: 0}
+    assert t.join(0, FP).versions == {0: 0, 1: 0}
     assert t.retries >= 1
   handles[0].stop(grace=0)
 
@@ -414,12 +417,12 @@ def test_mutual_tls(certs):
     with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
                                       tls_cert=str(certs / "client.pem"),
                                       tls_key=str(certs / "client.key")) as t:
-      assert t.join(0, FP) == {0: 0, 1: 0}
+      assert t.join(0, FP).versions == {0: 0, 1: 0}
       # Payloads take the data plane, under TLS with the same certificates (not the gRPC fallback).
       assert t.data_port == handle.data_plane.port
       t.push(make_push(core))
       assert t.pull(0, 1, timeout_s=5.0).payload == core.pull(0, 1).payload
-      assert handle.servicer.counters()["data_pushes"] == 1 and handle.servicer.counters()["data_pulls"] == 1
+      assert handle.gate.counters()["data_pushes"] == 1 and handle.gate.counters()["data_pulls"] == 1
     # A plaintext connection to the TLS data port gets no hello, and the core sees nothing.
     with socket.create_connection(("127.0.0.1", handle.data_plane.port), timeout=5) as raw:
       raw.sendall(b"\x00" * 64)
@@ -431,11 +434,11 @@ def test_mutual_tls(certs):
     # Without a client certificate the handshake fails (reported as UNAVAILABLE: retried, then given up).
     with grpc_transport.GrpcTransport(target, TOKEN, 0, tls_ca=str(certs / "ca.pem"),
                                       unreachable_deadline_s=0.3, backoff_s=0.1) as t:
-      with pytest.raises(grpc_transport.SyncerUnreachable):
+      with pytest.raises(errors.SyncerUnreachable):
         t.status()
     # Plaintext against a TLS server fails too.
     with grpc_transport.GrpcTransport(target, TOKEN, 0, unreachable_deadline_s=0.3, backoff_s=0.1) as t:
-      with pytest.raises(grpc_transport.SyncerUnreachable):
+      with pytest.raises(errors.SyncerUnreachable):
         t.status()
   finally:
     handle.stop(grace=0)

@@ -14,8 +14,11 @@ import helpers
 from diloco_jax.config import schema as config_lib
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
-from diloco_jax.protocol.messages import OBSERVER_ID, Rejected
+from diloco_jax.protocol.messages import OBSERVER_ID
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.syncer.server import limits as limits_lib
+from diloco_jax.transports import errors
 from diloco_jax.transports import grpc_client as grpc_transport
 
 TOKEN = "hostile-token-0123456789"
@@ -78,11 +81,11 @@ def test_500_long_poll_pulls_leave_heartbeat_join_and_status_served(syncer):
     worst = control_calls_stay_served(handle)
     assert worst < CONTROL_CALL_S
     with client(handle, learner_id=3) as t:
-      assert t.join(3, FP) == {0: 0, 1: 0}
+      assert t.join(3, FP).versions == {0: 0, 1: 0}
     status = core.status()
     assert status["versions"] == [0, 0]
-    server = handle.servicer.counters()
-    assert handle.servicer._pull_slots.in_use <= handle.servicer._pull_slots.total
+    server = handle.gate.counters()
+    assert handle.gate.pull_slots.in_use <= handle.gate.pull_slots.total
   finally:
     for call in calls:
       call.cancel()
@@ -90,7 +93,7 @@ def test_500_long_poll_pulls_leave_heartbeat_join_and_status_served(syncer):
       channel.close()
   codes = [call.code() for call in calls]
   assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 400 and server["refused_resource_exhausted"] >= 400
-  helpers.wait_for(lambda: handle.servicer._pull_slots.in_use == 0, "pull slots to be released", timeout=30)
+  helpers.wait_for(lambda: handle.gate.pull_slots.in_use == 0, "pull slots to be released", timeout=30)
 
 
 def test_40_stalled_push_streams_leave_heartbeats_served_and_are_cut(syncer):
@@ -128,7 +131,7 @@ def test_40_stalled_push_streams_leave_heartbeats_served_and_are_cut(syncer):
       with pytest.raises(grpc.RpcError) as e:
         f.result(timeout=60)
       assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED), e.value
-    assert handle.servicer.counters()["streams_cut"] >= handle.servicer._push_slots.total
+    assert handle.gate.counters()["streams_cut"] >= handle.gate.push_slots.total
     assert core.counters["contributions_merged"] == 0 and core.status()["open_rounds"] == {}
     with client(handle, learner_id=0, unreachable_deadline_s=60) as t:
       t.join(0, FP)
@@ -138,7 +141,7 @@ def test_40_stalled_push_streams_leave_heartbeats_served_and_are_cut(syncer):
     for channel in channels:
       channel.close()
   assert core.status()["versions"] == [1, 0]
-  helpers.wait_for(lambda: handle.servicer._push_slots.in_use == 0, "push slots to be released", timeout=30)
+  helpers.wait_for(lambda: handle.gate.push_slots.in_use == 0, "push slots to be released", timeout=30)
 
 
 def test_a_flood_under_the_victims_id_does_not_spend_its_rate(syncer):
@@ -163,7 +166,7 @@ def test_a_flood_under_the_victims_id_does_not_spend_its_rate(syncer):
 
 def test_cancelled_streams_end_quietly(caplog):
   core = helpers.make_core((200_000,), num_learners=2)
-  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=service.Limits(chunk_bytes=4096))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits(chunk_bytes=4096))
   caplog.set_level(logging.DEBUG)
   try:
     core.join(0, FP)
@@ -189,7 +192,7 @@ def test_cancelled_streams_end_quietly(caplog):
     assert next(stream).WhichOneof("kind") == "header"
     next(stream)
     stream.cancel()
-    helpers.wait_for(lambda: handle.servicer._pull_slots.in_use == 0 and handle.servicer._push_slots.in_use == 0,
+    helpers.wait_for(lambda: handle.gate.pull_slots.in_use == 0 and handle.gate.push_slots.in_use == 0,
                      "the cancelled calls to end on the server", timeout=30)
     channel.close()
   finally:
@@ -280,13 +283,13 @@ def test_close_ends_a_retrying_call_at_once():
   # down), which ends it at once.
   t = grpc_transport.GrpcTransport(f"127.0.0.1:{helpers.free_port()}", TOKEN, 0, unreachable_deadline_s=300.0,
                                    backoff_s=1.0, max_backoff_s=5.0)
-  errors = []
+  unreachable = []
 
   def call():
     try:
       t.status()
-    except grpc_transport.SyncerUnreachable as e:
-      errors.append(e)
+    except errors.SyncerUnreachable as e:
+      unreachable.append(e)
 
   worker = threading.Thread(target=call)
   worker.start()
@@ -295,7 +298,7 @@ def test_close_ends_a_retrying_call_at_once():
   t.close()
   worker.join(10)
   assert not worker.is_alive() and time.monotonic() - start < 5
-  assert errors and "closed" in str(errors[0])
+  assert unreachable and "closed" in str(unreachable[0])
 
 
 def test_slots_and_workers_follow_the_learners_fragments_in_flight():
@@ -303,8 +306,8 @@ def test_slots_and_workers_follow_the_learners_fragments_in_flight():
   # has 3 fragments in flight, so 3 comms workers (and a retry of each) may call at once.
   c = config_lib.base_config()
   c.learners.num, c.outer.num_fragments, c.outer.sync_every, c.outer.tau, c.outer.max_in_flight = 8, 20, 20, 2, 0
-  limits = service.Limits.from_config(c)
+  limits = limits_lib.Limits.from_config(c)
   assert limits.pushes_per_caller == limits.pulls_per_caller == 2 * 3
-  assert service.workers_for(c) == 4 * 8 * 3
+  assert limits_lib.workers_for(c) == 4 * 8 * 3
   c.outer.max_in_flight = 5
-  assert service.Limits.from_config(c).pulls_per_caller == 10
+  assert limits_lib.Limits.from_config(c).pulls_per_caller == 10

@@ -85,8 +85,9 @@ def _closure(module: str) -> set[str]:
 RULES = [
     ("diloco_jax.learner", "diloco_jax.syncer", "a learner knows the syncer only through protocol + transports"),
     ("diloco_jax.transports", "diloco_jax.syncer", "transports carry protocol messages, not syncer internals"),
-    ("diloco_jax.protocol.messages", "diloco_jax.syncer", "the protocol sits between both sides"),
-    ("diloco_jax.protocol.messages", "diloco_jax.learner", "the protocol sits between both sides"),
+    ("diloco_jax.protocol", "diloco_jax.syncer", "the protocol sits between both sides"),
+    ("diloco_jax.protocol", "diloco_jax.learner", "the protocol sits between both sides"),
+    ("diloco_jax.protocol", "diloco_jax.transports", "the protocol sits between both sides"),
     ("diloco_jax.syncer.core", "grpc", "the core knows no transport"),
     ("diloco_jax.syncer.core", "diloco_jax.protocol.proto", "the core knows no transport"),
     ("diloco_jax.syncer.core", "diloco_jax.transports", "the core knows no transport"),
@@ -116,6 +117,27 @@ def test_the_in_process_run_never_reaches_the_grpc_service():
           "bad = [m for m in sys.modules if m.split('.')[0] == 'grpc' or m.startswith('diloco_jax.protocol.proto.')]; "
           "assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, check=True, timeout=120)
+
+
+PROTO_MESSAGES = "diloco_jax.protocol.proto.diloco_pb2"
+PROTO_STUBS = "diloco_jax.protocol.proto.diloco_pb2_grpc"
+
+
+def test_protobuf_is_converted_in_one_module_and_its_stubs_are_used_by_the_grpc_ends_only():
+  # The generated messages are built and read only by protocol/convert.py; the generated service (stub and
+  # servicer base) only by the gRPC front-end and the gRPC client. (The generated package itself aside.)
+  def importers(module):
+    return {m for m, imports in GRAPH.items() if module in imports and not _under(m, "diloco_jax.protocol.proto")}
+
+  assert importers(PROTO_MESSAGES) == {"diloco_jax.protocol.convert"}
+  assert importers(PROTO_STUBS) == {"diloco_jax.syncer.server.grpc_frontend", "diloco_jax.transports.grpc_client"}
+
+
+def test_the_protocol_imports_no_grpc():
+  # The in-process run uses the protocol: only the generated service module may import grpc.
+  bad = sorted((m, i) for m, imports in GRAPH.items() if _under(m, "diloco_jax.protocol") and m != PROTO_STUBS
+               for i in imports if _under(i, "grpc"))
+  assert not bad, bad
 
 
 def test_the_syncer_core_reaches_no_transport_and_no_model():

@@ -12,7 +12,7 @@ import pytest
 import helpers
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
-from diloco_jax.protocol.messages import Rejected
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import core as core_lib
 from diloco_jax.syncer import views
 from diloco_jax.syncer.rules import admission

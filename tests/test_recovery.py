@@ -14,7 +14,8 @@ import helpers
 from diloco_jax.runs import inprocess
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.compute import trainer as trainer_lib
-from diloco_jax.protocol.messages import EpochRecord, Rejected
+from diloco_jax.protocol.messages import EpochRecord
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.ticker import Ticker

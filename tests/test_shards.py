@@ -16,7 +16,7 @@ from diloco_jax.runs import export
 from diloco_jax.runs import local as launch_local
 from diloco_jax.outer import placement
 from diloco_jax.protocol import messages as protocol
-from diloco_jax.protocol.messages import Rejected
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.inprocess import InProcessTransport
@@ -80,7 +80,7 @@ def test_a_shard_core_holds_serves_and_checkpoints_only_its_fragments(tmp_path):
   cores, _ = _cores(2)
   shard0 = cores[0]  # owns fragments 2 and 3
   assert [g.size for g in shard0.global_fragments()] == [0, 0, 56, 16]
-  assert shard0.join(0, helpers.FP) == {2: 0, 3: 0}
+  assert shard0.join(0, helpers.FP).versions == {2: 0, 3: 0}
   assert shard0.status()["owned"] == [2, 3]
   with pytest.raises(Rejected, match="another syncer shard") as e:
     shard0.push(helpers.make_push(0, np.zeros(40), core=shard0, fragment=0))
@@ -111,7 +111,7 @@ def test_sharded_transport_routes_fragments_and_fans_out_membership():
   cores, _ = _cores(2, lease_s=30.0)
   owners = placement.shard_of(SIZES, 2)
   t = ShardedTransport([InProcessTransport(c) for c in cores], owners)
-  assert t.join(0, helpers.FP) == {0: 0, 1: 0, 2: 0, 3: 0}
+  assert t.join(0, helpers.FP).versions == {0: 0, 1: 0, 2: 0, 3: 0}
   assert all(c.live_learners() == [0] for c in cores)
   receipt = t.push(helpers.make_push(0, np.full(56, 0.01), core=cores[0], fragment=2))
   assert receipt.fragment == 2 and cores[0].status()["versions"][2] == 1  # the only live learner: merged
@@ -201,7 +201,7 @@ def test_one_shard_restart_is_one_epoch_change_whose_history_speaks_per_fragment
     assert protocol.current_version(history, e0, 2, p) is None
   # Epochs sent back are translated: a push based on e1 reaches shard 1 under its own new epoch.
   receipt = t.push(helpers.make_push(0, np.full(40, 0.01), core=restarted[1], fragment=0,
-                                     base_version=joined[0], base_epoch=e1))
+                                     base_version=joined.versions[0], base_epoch=e1))
   assert receipt.epoch == e1
   with pytest.raises(Rejected) as e:  # a push still based on the old epoch: refused, the learner recovers
     t.push(helpers.make_push(0, np.full(40, 0.01), core=restarted[1], fragment=0, base_version=1, base_epoch=e0))

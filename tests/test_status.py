@@ -17,7 +17,9 @@ import helpers
 from diloco_jax.learner.comms import Comms
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
-from diloco_jax.protocol.messages import OBSERVER_ID, TOKEN_ENV, Rejected
+from diloco_jax.protocol.messages import OBSERVER_ID
+from diloco_jax.protocol.reasons import Rejected
+from diloco_jax.protocol.run_token import TOKEN_ENV
 from diloco_jax.syncer.server import grpc_service as service
 from diloco_jax.transports.grpc_client import GrpcTransport
 from diloco_jax.transports.inprocess import InProcessTransport

@@ -141,7 +141,7 @@ def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
   try:
     port = _wait_for(workdir / "syncer.port", proc)
     with GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 0) as t:
-      assert t.join(0, fp) == {0: 0, 1: 0}
+      assert t.join(0, fp).versions == {0: 0, 1: 0}
       t.push(good)
       published = t.pull(0, 1, timeout_s=10.0)
       assert published.version == 1
@@ -158,7 +158,7 @@ def test_syncer_process_checkpoints_on_sigterm_and_resumes(tmp_path):
   try:
     port = _wait_for(workdir / "syncer.port", proc)
     with GrpcTransport(f"127.0.0.1:{port}", "s3cret-token", 1) as t:
-      assert t.join(1, fp) == {0: 1, 1: 0}
+      assert t.join(1, fp).versions == {0: 1, 1: 0}
       assert t.pull(0, 1).payload == published.payload
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)

@@ -15,7 +15,9 @@ from diloco_jax.outer import merge as outer
 from diloco_jax.tools.bench import outer_reference
 from diloco_jax.config import schema as config_lib
 from diloco_jax.outer import fragments
-from diloco_jax.protocol.messages import Push, PushReceipt, Rejected, Transport
+from diloco_jax.protocol.interfaces import Transport
+from diloco_jax.protocol.messages import Push, PushReceipt
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import core as core_lib
 from diloco_jax.syncer import settings as settings_lib
 from diloco_jax.syncer.rules.quorum import QuorumPolicy, grace_window_s, round_close_time
@@ -251,7 +253,7 @@ def test_rejected_join_and_left_learner():
   with pytest.raises(Rejected) as e:
     c.push(make_push(1, np.ones(8)))
   assert e.value.reason == "not_member"
-  assert c.join(1, FP) == {0: 0}  # rejoin after a crash
+  assert c.join(1, FP).versions == {0: 0}  # rejoin after a crash
   assert c.live_learners() == [0, 1]
 
 
@@ -340,7 +342,7 @@ def test_in_process_transport_two_threads():
     try:
       t = InProcessTransport(core)
       assert isinstance(t, Transport)
-      assert t.join(i, FP) == {0: 0, 1: 0}
+      assert t.join(i, FP).versions == {0: 0, 1: 0}
       barrier.wait()  # both joined: the round waits for both
       t.heartbeat(i, 0.1)
       sent = 0

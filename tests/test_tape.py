@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 import helpers
-from diloco_jax.protocol.messages import Rejected
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.runs import inprocess
 from diloco_jax.syncer import tape as tape_lib
 from diloco_jax.syncer.rules import rounds

@@ -9,7 +9,8 @@ import pytest
 import helpers
 from diloco_jax.syncer.server import grpc_service as service
 from diloco_jax.transports import wan as wan_lib
-from diloco_jax.transports.grpc_client import GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.errors import SyncerUnreachable
+from diloco_jax.transports.grpc_client import GrpcTransport
 
 TOKEN = "wan-test-token"
 

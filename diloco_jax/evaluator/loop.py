@@ -39,7 +39,8 @@ from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.outer import merge as outer_lib
 from diloco_jax.compute import trainer as trainer_lib
-from diloco_jax.protocol.messages import Transport
+from diloco_jax.protocol.interfaces import Transport
+from diloco_jax.protocol.messages import Kind
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class TransportSource:
     for p, size in enumerate(self.sizes):
       # have_version -1: the full fragment (an observer holds no reference to apply a delta to).
       published = self.transport.pull(p, 0, 0.0, have_version=-1)
-      if published is None or published.kind != "full" or published.fragment != p:
+      if published is None or published.kind != Kind.FULL or published.fragment != p:
         raise codec_lib.CodecError(f"fragment {p}: the syncer answered a full pull with "
                                    f"{None if published is None else (published.fragment, published.kind)}")
       if codec_lib.checksum(published.payload) != published.checksum:

@@ -35,10 +35,12 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import plans
 from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.evaluator import loop
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc_client import AuthError, GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.errors import AuthError, SyncerUnreachable
+from diloco_jax.transports.grpc_client import GrpcTransport
 
 EXIT_FAILED = 1
 
@@ -81,7 +83,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
     while not stop.is_set():
       try:
         record = evaluator.poll()
-      except (AuthError, protocol.Rejected):  # another run, or a wrong token: looking again cannot help
+      except (AuthError, Rejected):  # another run, or a wrong token: looking again cannot help
         raise
       except Exception as e:  # noqa: BLE001 - the syncer may be restarting; look again at the next poll
         print(f"evaluator: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -127,7 +129,7 @@ def run_evaluator_process(argv) -> int:
   try:
     run(config, targets=targets, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
         tls=client_flags.tls(fv), poll_s=fv["poll-s"].value, stop=stop)
-  except (SyncerUnreachable, AuthError, protocol.Rejected) as e:
+  except (SyncerUnreachable, AuthError, Rejected) as e:
     print(f"evaluator: {e}", file=sys.stderr, flush=True)
     return EXIT_FAILED
   return 0

@@ -35,7 +35,9 @@ import time
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol.messages import REJOIN_REASONS, Published, Push, PushReceipt, Rejected, Transport, Versions
+from diloco_jax.protocol.interfaces import Transport
+from diloco_jax.protocol.messages import Kind, Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import REJOIN_REASONS, Reason, Rejected
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class SyncResult:
   # reference of `base_version` (the learner's base) to that of `version`.
   global_vec: np.ndarray
   late: bool  # the push was merged into a later round than the one it was made for
-  kind: str = "full"
+  kind: Kind = Kind.FULL
   base_version: int = -1  # for a delta: the version of the base it applies to
   epoch: int = 0  # the serving syncer's epoch: with `version`, names the reference the base becomes
   receipt: PushReceipt | None = None  # the syncer's receipt of the push (None: not accepted)
@@ -180,8 +182,6 @@ class Comms:
     """Joins the run; returns the current version of every fragment, with the syncer's epoch and history
     (empty from a transport that sends none). Starts the heartbeat."""
     versions = self.transport.join(self.learner_id, self.fingerprint)
-    if not isinstance(versions, Versions):
-      versions = Versions(versions)
     self._see(versions.epoch)
     if not self._heartbeat.is_alive():
       self._heartbeat.start()
@@ -207,14 +207,14 @@ class Comms:
   def _checked(self, published: Published, fragment: int, have_version: int,
                have_epoch: int) -> tuple[Published, np.ndarray]:
     """Validates an answer against what the learner holds; returns it with its decoded vector."""
-    if published.kind == "delta" and (have_version < 0 or published.base_version != have_version):
+    if published.kind == Kind.DELTA and (have_version < 0 or published.base_version != have_version):
       raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from version "
                                  f"{published.base_version}, but this learner holds {have_version}")
-    if published.kind == "delta" and have_version > 0 and published.epoch != have_epoch:
+    if published.kind == Kind.DELTA and have_version > 0 and published.epoch != have_epoch:
       # R_0 is the same in every epoch; a later version's reference only within one syncer lifetime.
       raise codec_lib.CodecError(f"fragment {fragment} v{published.version}: a delta from syncer epoch "
                                  f"{published.epoch}, but this learner's base is from epoch {have_epoch}")
-    if published.kind not in ("full", "delta"):
+    if published.kind not in (Kind.FULL, Kind.DELTA):
       raise codec_lib.CodecError(f"fragment {fragment}: unknown kind {published.kind!r}")
     self._see(published.epoch)
     with self._lock:
@@ -274,7 +274,7 @@ class Comms:
     try:
       receipt = self._push(push, sync_epoch)
     except Rejected as e:
-      if e.reason == "epoch":  # the syncer restarted before this push: recover, then push again
+      if e.reason == Reason.EPOCH:  # the syncer restarted before this push: recover, then push again
         return SyncResult(fragment, -1, None, late=False, abandoned=True)
       # A refused push is lost work, but the learner must go on: fetch the current global and adopt it.
       self.rejected.append(e.reason)
@@ -297,8 +297,7 @@ class Comms:
     except Rejected as e:
       if e.reason not in REJOIN_REASONS or self._leaving.is_set():
         raise
-      versions = self.transport.join(self.learner_id, self.fingerprint)
-      epoch = getattr(versions, "epoch", 0)
+      epoch = self.transport.join(self.learner_id, self.fingerprint).epoch
       self._see(epoch)
       if sync_epoch and epoch not in (0, sync_epoch):
         return None
@@ -325,8 +324,7 @@ class Comms:
       except Rejected as e:
         if e.reason in REJOIN_REASONS and not self._leaving.is_set():
           try:
-            versions = self.transport.join(self.learner_id, self.fingerprint)
-            self._see(getattr(versions, "epoch", 0))
+            self._see(self.transport.join(self.learner_id, self.fingerprint).epoch)
           except Exception as join_error:  # noqa: BLE001 - keep heartbeating; the next beat retries
             log.warning("learner %d: rejoin failed: %s", self.learner_id, join_error)
       except Exception as e:  # noqa: BLE001 - the syncer may be down; training goes on

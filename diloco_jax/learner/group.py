@@ -118,7 +118,7 @@ class GroupLearner(loop_lib.Learner):
       self.comms.report_step(self.trainer.step)
       versions = self.comms.join()
       self.comms.set_epoch(versions.epoch)
-      if self.restored or any(v > 0 for v in versions.values()):
+      if self.restored or any(v > 0 for v in versions.versions.values()):
         for p in range(self.plan.num_fragments):
           fetched[p] = self.comms.fetch(p, 0, have_version=-1)
       return {"epoch": versions.epoch,

@@ -184,7 +184,7 @@ def _fragment_fns(plan: fragments_lib.FragmentPlan, p: int, mesh, param_sharding
   adopt_fns = {
       kind: jax.jit(fn, in_shardings=(shardings, shardings, replicated, replicated, None, None),
                     out_shardings=(shardings, shardings), donate_argnums=(0, 1))
-      for kind, fn in (("full", adopt), ("delta", adopt_delta))
+      for kind, fn in ((protocol.Kind.FULL, adopt), (protocol.Kind.DELTA, adopt_delta))
   }
   return grad_fn, adopt_fns
 
@@ -253,7 +253,7 @@ class Learner:
     self.comms.set_epoch(versions.epoch)
     # The seed's fragments (version 0), named in this syncer's numbering.
     self.base_epoch = [versions.epoch] * self.plan.num_fragments
-    if self.restored or any(v > 0 for v in versions.values()):
+    if self.restored or any(v > 0 for v in versions.versions.values()):
       for p in range(self.plan.num_fragments):
         # have_version -1: whatever base this process holds (restored, or the seed's) may not be the
         # syncer's reference of any version, so take the full fragment.
@@ -267,11 +267,11 @@ class Learner:
     taken since the snapshot are kept on top of it; without one (joining), the global overwrites."""
     p = result.fragment
     _, adopt_fns = self._fns[p]
-    if result.kind == "delta" and result.base_version != self.base_version[p]:
+    if result.kind == protocol.Kind.DELTA and result.base_version != self.base_version[p]:
       # Adding a delta to another base would silently corrupt the model for good.
       raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from v{result.base_version}, "
                          f"but the base is v{self.base_version[p]}")
-    if result.kind == "delta" and result.base_version > 0 and result.epoch != self.base_epoch[p]:
+    if result.kind == protocol.Kind.DELTA and result.base_version > 0 and result.epoch != self.base_epoch[p]:
       # The same version number from a restarted syncer names another reference.
       raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from syncer epoch {result.epoch}, "
                          f"but the base is from epoch {self.base_epoch[p]}")
@@ -489,7 +489,7 @@ class Learner:
     function already compiled (a restart must not wait for a compilation while others may wait for us)."""
     _, adopt_fns = self._fns[p]
     state, keys = self.trainer.state, self._keys[p]
-    params, base = adopt_fns["full"](fragments_lib.get_leaves(state.params, keys),
+    params, base = adopt_fns[protocol.Kind.FULL](fragments_lib.get_leaves(state.params, keys),
                                      fragments_lib.get_leaves(self.base, keys), vec, self._zeros[p], 1.0, 0.0)
     self.base = fragments_lib.set_leaves(self.base, keys, base)
     self.trainer.set_state(dataclasses.replace(state, params=fragments_lib.set_leaves(state.params, keys, params)))

@@ -62,12 +62,13 @@ from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import multihost
 from diloco_jax.compute import plans
-from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc_client import AuthError, GrpcTransport, SyncerUnreachable
+from diloco_jax.transports.errors import AuthError, SyncerUnreachable
+from diloco_jax.transports.grpc_client import GrpcTransport
 
 EXIT_FAILED = 1
 
@@ -297,7 +298,7 @@ def run_learner_process(argv) -> int:
   except (SyncerUnreachable, AuthError) as e:
     print(f"learner {learner_id}: {e}", file=sys.stderr)
     return EXIT_FAILED
-  except protocol.Rejected as e:
+  except Rejected as e:
     print(f"learner {learner_id}: refused by the syncer: {e}", file=sys.stderr)
     return EXIT_FAILED
   return 0

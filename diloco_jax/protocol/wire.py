@@ -12,11 +12,11 @@ has TLS) that carries only payloads, each transfer on its own connection:
     pull:  server -> client    REPLY with a PullHeader; if found, PullHeader.total_size payload bytes
 
     REPLY   status (1 byte: 0 ok, 1 refused), body length (u32), body: the protobuf (ok) or UTF-8 JSON
-            {"reason", "message"} (refused; the reason is one of protocol.REASONS or a service reason)
+            {"reason", "message"} (refused; the reason a `reasons.Reason`)
 
 All integers little-endian. The token never crosses (only an HMAC of a fresh nonce, compared in constant
 time), a header or reply body is at most `MAX_HEADER_BYTES`, and payloads are read through
-`protocol.Reassembler` against a declared size that the receiver bounds first: memory grows with what
+`chunking.Reassembler` against a declared size that the receiver bounds first: memory grows with what
 arrives. Both ends time out every read. The gRPC service decides as for its own calls (the same core,
 limits, counters and refusals); this module is only the bytes.
 """
@@ -29,7 +29,7 @@ import json
 import socket
 import struct
 
-from diloco_jax.protocol.messages import BufferPool, ProtocolError, Reassembler
+from diloco_jax.protocol.chunking import BufferPool, ProtocolError, Reassembler
 
 MAGIC = b"DLCD"
 VERSION = 1

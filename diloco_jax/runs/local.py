@@ -64,6 +64,7 @@ from diloco_jax import metrics as metrics_lib
 from diloco_jax.outer import merge as outer_lib
 from diloco_jax.runs import plots as plot_lib
 from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol import run_token
 from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.transports import sharded
 from diloco_jax.transports.grpc_client import GrpcTransport
@@ -415,7 +416,7 @@ class Launcher:
 
   def syncer_status(self) -> dict | None:
     try:
-      token = protocol.read_token(str(self.workdir / "token"))
+      token = run_token.read_token(str(self.workdir / "token"))
       with sharded.connect(self.target.split(","), lambda target: GrpcTransport(
           target, token, protocol.OBSERVER_ID, unreachable_deadline_s=10.0)) as t:
         return t.status()

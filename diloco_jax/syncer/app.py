@@ -32,14 +32,15 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax.config import schema as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol import run_token
 from diloco_jax.syncer import checkpoint
 from diloco_jax.syncer.server.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.monitor import SyncerMonitor
 from diloco_jax.syncer.tape import Tape
-from diloco_jax.syncer.server.grpc_service import Limits, serve, workers_for
+from diloco_jax.syncer.server.grpc_service import serve
+from diloco_jax.syncer.server.limits import Limits, workers_for
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       required=True)
   flags.DEFINE_string("bind", "127.0.0.1:50051", "host:port to serve on (port 0: any free port)",
                       flag_values=fv)
-  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${protocol.TOKEN_ENV})",
+  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${run_token.TOKEN_ENV})",
                       flag_values=fv)
   flags.DEFINE_string("run-id", "", "run id, part of the fingerprint every learner must match",
                       flag_values=fv)
@@ -122,7 +123,7 @@ def _checked(fv):
   config = cli.validated(fv.config, None, learners=True, data=False)  # the syncer reads no data
   tls = _tls_from_flags(fv)
   try:
-    token = protocol.read_token(fv["token-file"].value)
+    token = run_token.read_token(fv["token-file"].value)
     check_bind(fv.bind, allow_remote=fv["allow-remote"].value, tls=tls)
   except (OSError, ValueError) as e:
     raise cli.UsageError(f"syncer: {e}") from None

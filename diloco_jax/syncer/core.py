@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol.messages import Published, Push, PushReceipt, Rejected, Versions
+from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import Reason, Rejected
 from diloco_jax.syncer import tape as tape_lib
 from diloco_jax.syncer import snapshot
 from diloco_jax.syncer import views
@@ -117,7 +118,7 @@ class SyncerCore:
   # ---- the syncer API (`protocol.SyncerAPI`) ----
 
   def check_learner_id(self, learner_id: int) -> None:
-    """Raise Rejected("learner_id") unless 0 <= learner_id < learners.num."""
+    """Raise Rejected(Reason.LEARNER_ID) unless 0 <= learner_id < learners.num."""
     self._run("check_id", learner_id=learner_id)
 
   def join(self, learner_id: int, fingerprint: str) -> Versions:
@@ -150,9 +151,9 @@ class SyncerCore:
     when one was published, else the full fragment (`syncer/downlink.py`)."""
     s = self.settings
     if not 0 <= fragment < s.num_fragments:
-      raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {s.num_fragments})")
+      raise Rejected(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} not in [0, {s.num_fragments})")
     if not s.owns(fragment):
-      raise Rejected("wrong_shard", f"fragment {fragment} belongs to another syncer shard; this one serves "
+      raise Rejected(Reason.WRONG_SHARD, f"fragment {fragment} belongs to another syncer shard; this one serves "
                      f"fragments {list(s.owned)}")
     give_up = time.monotonic() + max(timeout_s, 0.0)
     with self._lock:

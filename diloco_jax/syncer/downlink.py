@@ -47,7 +47,8 @@ from typing import Sequence
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol.messages import BufferPool, Published
+from diloco_jax.protocol.chunking import BufferPool
+from diloco_jax.protocol.messages import Kind, Published
 
 ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one costs its page faults)
 
@@ -113,7 +114,7 @@ class Downlink:
       refs[version + i] = ref
       self._deltas[p][version + i] = Published(
           fragment=p, version=version + i, codec=self.codec, payload=payload,
-          checksum=codec_lib.checksum(payload), kind="delta", base_version=parent, epoch=self.epoch)
+          checksum=codec_lib.checksum(payload), kind=Kind.DELTA, base_version=parent, epoch=self.epoch)
     self._versions[p] = version + len(parents) - 1
     while len(refs) > self.history:
       oldest = min(refs)
@@ -195,6 +196,6 @@ class Downlink:
       if len(payload) != codec_lib.encoded_size(sizes[p], codec, block):
         continue
       out._deltas[p][versions[p]] = Published(fragment=p, version=versions[p], codec=codec, payload=payload,
-                                              checksum=codec_lib.checksum(payload), kind="delta",
+                                              checksum=codec_lib.checksum(payload), kind=Kind.DELTA,
                                               base_version=int(d["base_version"]), epoch=epoch)
     return out

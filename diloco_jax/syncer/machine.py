@@ -16,7 +16,8 @@ import logging
 from typing import Callable
 
 from diloco_jax.outer import merge as outer
-from diloco_jax.protocol.messages import Published, Push, PushReceipt, Rejected, Versions, shorten
+from diloco_jax.protocol.messages import Kind, Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import Reason, Rejected, shorten
 from diloco_jax.syncer import close
 from diloco_jax.syncer import snapshot
 from diloco_jax.syncer.downlink import Downlink
@@ -44,7 +45,7 @@ class Machine:
   def check_id(self, learner_id) -> None:
     problem = membership.id_problem(learner_id, self.settings.num_learners)
     if problem:
-      raise self._refuse(admission.Refusal("learner_id", problem))
+      raise self._refuse(admission.Refusal(Reason.LEARNER_ID, problem))
 
   # ---- membership ----
 
@@ -52,7 +53,7 @@ class Machine:
     s, st = self.settings, self.state
     self.check_id(learner_id)
     if fingerprint != s.fingerprint:
-      raise self._refuse(admission.Refusal("fingerprint", f"learner {learner_id} has run fingerprint "
+      raise self._refuse(admission.Refusal(Reason.FINGERPRINT, f"learner {learner_id} has run fingerprint "
                                            f"{shorten(fingerprint)}, this syncer serves {s.fingerprint!r} "
                                            "(different run or config)"))
     st.members[learner_id] = membership.joined(st.members.get(learner_id), self._now(), s.lease_s)
@@ -231,7 +232,7 @@ class Machine:
     if fragment.version >= min_version or (fragment.refused_at == fragment.version
                                            and min_version == fragment.version + 1):
       published = self.downlink.answer(p, min(min_version, fragment.version), have_version, have_epoch)
-      st.counters["pulls_delta" if published.kind == "delta" else "pulls_full"] += 1
+      st.counters["pulls_delta" if published.kind == Kind.DELTA else "pulls_full"] += 1
       st.counters["bytes_out"] += len(published.payload)
       self._changed(False)
       return published, None

@@ -15,7 +15,8 @@ import numpy as np
 
 from diloco_jax.outer import chunked
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol.messages import REASONS, EpochRecord, PushReceipt
+from diloco_jax.protocol.messages import EpochRecord, PushReceipt
+from diloco_jax.protocol.reasons import REASONS
 
 NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
 MAX_DECISIONS = 10_000  # decision records kept until the shell drains them (the oldest are dropped beyond)

@@ -25,7 +25,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from diloco_jax.protocol.messages import Published, Push, PushReceipt, Rejected, Versions
+from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import snapshot
 from diloco_jax.syncer.rules.quorum import QuorumPolicy
 from diloco_jax.syncer.settings import SyncerSettings
@@ -60,7 +61,7 @@ def summary(result) -> Any:
   if isinstance(result, Exception):
     return {"error": f"{type(result).__name__}: {result}"}
   if isinstance(result, Versions):
-    return {"versions": sorted(result.items()), "epoch": result.epoch,
+    return {"versions": sorted(result.versions.items()), "epoch": result.epoch,
             "history": [dataclasses.astuple(h) for h in result.history]}
   if isinstance(result, PushReceipt):
     return {"receipt": dataclasses.asdict(result)}

@@ -28,7 +28,8 @@ from diloco_jax import cli
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc_client import AuthError, GrpcTransport, SyncerError, SyncerUnreachable
+from diloco_jax.transports.errors import AuthError, SyncerError, SyncerUnreachable
+from diloco_jax.transports.grpc_client import GrpcTransport
 
 _CLEAR = "\x1b[H\x1b[2J"
 

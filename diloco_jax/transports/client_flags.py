@@ -6,14 +6,14 @@ from __future__ import annotations
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.protocol import messages as protocol
+from diloco_jax.protocol import run_token
 from diloco_jax.transports import sharded
 
 
 def define(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("syncer", None, "host:port of the syncer (a sharded syncer: one per shard, comma-separated, "
                       "in shard order)", flag_values=fv, required=True)
-  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${protocol.TOKEN_ENV})",
+  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${run_token.TOKEN_ENV})",
                       flag_values=fv)
   flags.DEFINE_string("tls-ca", None, "PEM CA that signed the syncer's certificate (enables TLS)",
                       flag_values=fv)
@@ -33,7 +33,7 @@ def targets(fv: flags.FlagValues) -> list[str]:
 
 def token(fv: flags.FlagValues) -> str:
   try:
-    return protocol.read_token(fv["token-file"].value)
+    return run_token.read_token(fv["token-file"].value)
   except (OSError, ValueError) as e:
     raise cli.UsageError(str(e)) from None
 

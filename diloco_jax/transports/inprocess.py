@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from diloco_jax.protocol.messages import Published, Push, PushReceipt, SyncerAPI
+from diloco_jax.protocol.interfaces import SyncerAPI
+from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
 
 
 class InProcessTransport:
@@ -31,7 +32,7 @@ class InProcessTransport:
     with self._lock:
       return self._received
 
-  def join(self, learner_id: int, fingerprint: str) -> dict[int, int]:
+  def join(self, learner_id: int, fingerprint: str) -> Versions:
     return self.core.join(learner_id, fingerprint)
 
   def leave(self, learner_id: int) -> None:

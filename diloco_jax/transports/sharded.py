@@ -5,7 +5,7 @@ This transport routes a push or pull of fragment p to the shard that owns it (`o
 config by every process alike) and fans membership out to every shard:
 
 * `join` and `leave` go to every shard, concurrently, and return when all answered; `join` merges the
-  versions each shard answers for its own fragments, and refuses ("wrong_shard") a shard that answers for
+  versions each shard answers for its own fragments, and refuses (`Reason.WRONG_SHARD`) a shard that answers for
   other fragments than `owners` gives it (addresses in the wrong order, another shard count).
 * `heartbeat` renews the lease on every shard, each on its own thread, at most one beat in flight per shard,
   so a shard that is down (its call retrying) never delays the beats the other shards need to keep the
@@ -33,7 +33,9 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-from diloco_jax.protocol.messages import (REJOIN_REASONS, EpochRecord, Published, Push, PushReceipt, Rejected, Transport, Versions)
+from diloco_jax.protocol.interfaces import Transport
+from diloco_jax.protocol.messages import EpochRecord, Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import REJOIN_REASONS, Reason, Rejected
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ class _Epochs:
       history = self._history_locked()
     versions = {}
     for answer in answers:
-      versions.update(answer)
+      versions.update(answer.versions)
     return Versions(versions, epoch=epoch, history=history)
 
   def _history_locked(self) -> tuple[EpochRecord, ...]:
@@ -254,7 +256,7 @@ class ShardedTransport:
     if self.owners is None:
       raise ValueError("this sharded transport has no fragment owners: it can only read the status")
     if not 0 <= fragment < len(self.owners):
-      raise Rejected("unknown_fragment", f"fragment {fragment} not in [0, {len(self.owners)})")
+      raise Rejected(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} not in [0, {len(self.owners)})")
     return self.owners[fragment]
 
   # ---- membership ----
@@ -267,11 +269,11 @@ class ShardedTransport:
     for s, answer in enumerate(answers):
       if self.owners is not None:
         expected = {p for p, owner in enumerate(self.owners) if owner == s}
-        if set(answer) != expected:
-          raise Rejected("wrong_shard", f"syncer shard {s} serves fragments {sorted(answer)}, this learner "
-                         f"expects {sorted(expected)} there: list the shards' addresses in shard order, as "
-                         f"many as the syncer has")
-    return self._epochs.joined([a if isinstance(a, Versions) else Versions(a) for a in answers])
+        if set(answer.versions) != expected:
+          raise Rejected(Reason.WRONG_SHARD, f"syncer shard {s} serves fragments {sorted(answer.versions)}, this "
+                         f"learner expects {sorted(expected)} there: list the shards' addresses in shard order, "
+                         f"as many as the syncer has")
+    return self._epochs.joined(answers)
 
   def leave(self, learner_id: int) -> None:
     self._all(lambda t: t.leave(learner_id))
@@ -286,7 +288,7 @@ class ShardedTransport:
       if e.reason not in REJOIN_REASONS or fingerprint is None:
         raise
       # This shard forgot the learner (it restarted, or the lease lapsed): join it again.
-      epoch = getattr(shard.join(learner_id, fingerprint), "epoch", 0)
+      epoch = shard.join(learner_id, fingerprint).epoch
     self._epochs.see(s, epoch or 0)
 
   def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None, blocked: bool = False) -> int:

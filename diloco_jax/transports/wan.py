@@ -31,6 +31,7 @@ import time
 from typing import Callable
 
 from diloco_jax.protocol.ratelimit import TokenBucket
+from diloco_jax.transports.errors import LinkDown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +49,6 @@ class WanSpec:
     """A symmetric link of `gbps` gigabits/s (0 = unlimited) and `latency_ms` one-way."""
     rate = gbps * 1e9 / 8
     return cls(up_bytes_per_s=rate, down_bytes_per_s=rate, latency_s=latency_ms / 1e3, **kw)
-
-
-class LinkDown(ConnectionError):
-  """The emulated link is cut off (its cut-off file exists)."""
 
 
 class WanLink:

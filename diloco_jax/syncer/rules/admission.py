@@ -22,7 +22,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol.messages import Push, shorten
+from diloco_jax.protocol.messages import Push
+from diloco_jax.protocol.reasons import Reason, shorten
 from diloco_jax.syncer.rules import membership
 from diloco_jax.syncer.state import FragmentState, KeyRecord, Member
 
@@ -53,9 +54,9 @@ def sender_problem(settings, push: Push) -> Refusal | None:
   """A learner of this run, of this run's fingerprint (checked before anything else, retries included)."""
   problem = membership.id_problem(push.learner_id, settings.num_learners)
   if problem:
-    return Refusal("learner_id", problem)
+    return Refusal(Reason.LEARNER_ID, problem)
   if push.fingerprint != settings.fingerprint:
-    return Refusal("fingerprint", f"push fingerprint {shorten(push.fingerprint)} != run {settings.fingerprint!r}")
+    return Refusal(Reason.FINGERPRINT, f"push fingerprint {shorten(push.fingerprint)} != run {settings.fingerprint!r}")
   return None
 
 
@@ -67,7 +68,7 @@ def retry_of(keys: Mapping[int, collections.OrderedDict], push: Push) -> KeyReco
   record = keys.get(push.learner_id, {}).get((push.incarnation, push.sequence))
   if record is None or record.checksum == push.checksum:
     return record
-  return Refusal("key_conflict", f"learner {push.learner_id} reused push key ({push.incarnation}, "
+  return Refusal(Reason.KEY_CONFLICT, f"learner {push.learner_id} reused push key ({push.incarnation}, "
                  f"{push.sequence}) for a different payload")
 
 
@@ -77,37 +78,37 @@ def push_problem(settings, members: Mapping[int, Member], fragments: Sequence[Fr
   s = settings
   member = members.get(push.learner_id)
   if member is None:
-    return Refusal("unknown_learner", f"learner {push.learner_id} is not a member of this syncer (never "
+    return Refusal(Reason.UNKNOWN_LEARNER, f"learner {push.learner_id} is not a member of this syncer (never "
                    "joined, or pruned after its lease lapsed)")
   if not membership.live(member, now):
     why = "left" if member.left else "lease expired (heartbeat to renew)"
-    return Refusal("not_member", f"learner {push.learner_id} is not a live member: {why}")
+    return Refusal(Reason.NOT_MEMBER, f"learner {push.learner_id} is not a live member: {why}")
   if not 0 <= push.fragment < s.num_fragments:
-    return Refusal("unknown_fragment", f"fragment {push.fragment} not in [0, {s.num_fragments})")
+    return Refusal(Reason.UNKNOWN_FRAGMENT, f"fragment {push.fragment} not in [0, {s.num_fragments})")
   if not s.owns(push.fragment):
-    return Refusal("wrong_shard", f"fragment {push.fragment} belongs to another syncer shard; this one "
+    return Refusal(Reason.WRONG_SHARD, f"fragment {push.fragment} belongs to another syncer shard; this one "
                    f"serves fragments {list(s.owned)}")
   if push.base_epoch not in (0, epoch):
-    return Refusal("epoch", f"base_version {push.base_version} is numbered by syncer epoch {push.base_epoch}, "
+    return Refusal(Reason.EPOCH, f"base_version {push.base_version} is numbered by syncer epoch {push.base_epoch}, "
                    f"this syncer's epoch is {epoch}: it restarted; join again and recover (docs/operations.md)")
   if push.codec != s.codec:
-    return Refusal("codec", f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
+    return Refusal(Reason.CODEC, f"push codec {shorten(push.codec)}, this run uses {s.codec!r}")
   want = codec_lib.encoded_size(s.sizes[push.fragment], s.codec, s.block)
   if len(push.payload) != want:
-    return Refusal("shape", f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a {want}-byte "
+    return Refusal(Reason.SHAPE, f"fragment {push.fragment} ({s.sizes[push.fragment]} elements) needs a {want}-byte "
                    f"{s.codec} payload, got {len(push.payload)} bytes")
   if push.steps < 0 or push.tokens < 0 or push.base_version < 0:
-    return Refusal("metadata", f"steps ({push.steps}), tokens ({push.tokens}) and base_version "
+    return Refusal(Reason.METADATA, f"steps ({push.steps}), tokens ({push.tokens}) and base_version "
                    f"({push.base_version}) must be >= 0")
   version = fragments[push.fragment].version
   if push.base_version > version:
-    return Refusal("future_version", f"base_version {push.base_version} is ahead of fragment {push.fragment}'s "
+    return Refusal(Reason.FUTURE_VERSION, f"base_version {push.base_version} is ahead of fragment {push.fragment}'s "
                    f"version {version}")
   if s.max_push_steps and push.steps > s.max_push_steps:
-    return Refusal("overclaim", f"{push.steps} steps claimed; no learner of this run takes more than "
+    return Refusal(Reason.OVERCLAIM, f"{push.steps} steps claimed; no learner of this run takes more than "
                    f"train.steps={s.max_push_steps}")
   if s.tokens_per_step and push.tokens > push.steps * s.tokens_per_step:
-    return Refusal("overclaim", f"{push.tokens} tokens claimed over {push.steps} steps; a learner takes at "
+    return Refusal(Reason.OVERCLAIM, f"{push.tokens} tokens claimed over {push.steps} steps; a learner takes at "
                    f"most {s.tokens_per_step} tokens per step")
   return None
 
@@ -119,10 +120,10 @@ def payload_check(settings, push: Push) -> PayloadCheck:
   s = settings
   crc = codec_lib.checksum(push.payload)
   if crc != push.checksum:
-    return PayloadCheck(Refusal("checksum", f"payload CRC-32 {crc:#010x} != declared {push.checksum:#010x}"))
+    return PayloadCheck(Refusal(Reason.CHECKSUM, f"payload CRC-32 {crc:#010x} != declared {push.checksum:#010x}"))
   encoded = codec_lib.parse(push.payload, s.codec, s.sizes[push.fragment], s.block)
   if not codec_lib.finite(encoded, threads=s.merge_threads):
-    return PayloadCheck(Refusal("nonfinite", f"the decoded outer gradient for fragment {push.fragment} holds "
+    return PayloadCheck(Refusal(Reason.NONFINITE, f"the decoded outer gradient for fragment {push.fragment} holds "
                                 "NaN or Inf"))
   return PayloadCheck(None, encoded, codec_lib.norm(encoded, threads=s.merge_threads))
 
@@ -179,5 +180,5 @@ def outlier_problem(settings, fragment: FragmentState, push: Push, norm: float) 
   periods = max(1.0, push.steps / _period_steps(fragment, s)) if period_cap(s) else 1.0
   if norm <= s.max_norm_ratio * periods * reference:
     return None
-  return Refusal("outlier", f"outer gradient norm {norm:.4g} of fragment {p} over {push.steps} steps exceeds "
+  return Refusal(Reason.OUTLIER, f"outer gradient norm {norm:.4g} of fragment {p} over {push.steps} steps exceeds "
                  f"outer.max_norm_ratio={s.max_norm_ratio:g} x {periods:g} period(s) x {reference:.4g}, {what}")

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Mapping
 
-from diloco_jax.protocol.messages import shorten
+from diloco_jax.protocol.reasons import Reason, shorten
 from diloco_jax.syncer.rules.quorum import estimate_step_time
 from diloco_jax.syncer.state import Member
 
@@ -60,10 +60,10 @@ def joined(old: Member | None, now: float, lease_s: float) -> Member:
 def heartbeat_problem(m: Member | None, learner_id: int) -> tuple[str, str] | None:
   """(reason, message) when a heartbeat cannot renew a lease: the learner must join again."""
   if m is None:
-    return ("unknown_learner", f"learner {learner_id} is not a member of this syncer (never joined, or "
+    return (Reason.UNKNOWN_LEARNER, f"learner {learner_id} is not a member of this syncer (never joined, or "
             "pruned after its lease lapsed): join again")
   if m.left:
-    return ("not_member", f"learner {learner_id} left; join again")
+    return (Reason.NOT_MEMBER, f"learner {learner_id} left; join again")
   return None
 
 

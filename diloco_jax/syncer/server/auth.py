@@ -2,10 +2,10 @@
 
 * Every call must carry `authorization: Bearer <token>` (the run's shared token), compared in constant
   time by `AuthInterceptor` before any servicer code runs. The token itself is read with
-  `protocol.read_token` (a file or $DILOCO_TOKEN, never a command line).
+  `protocol.run_token.read_token` (a file or $DILOCO_TOKEN, never a command line).
 * `TlsConfig`: server TLS, and with `client_ca` mutual TLS.
 * The service binds loopback only unless explicitly allowed (`check_bind`).
-Per-caller call rates are limited in the service with `ratelimit.RateLimiter`.
+Per-caller call rates are limited by the service's gate (`gate.py`) with `ratelimit.RateLimiter`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 
 import grpc
 
-from diloco_jax.protocol.messages import REASON_METADATA_KEY
+from diloco_jax.protocol.reasons import REASON_METADATA_KEY, Reason
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
                else "invalid run token")
 
     def refuse(request, context):
-      context.set_trailing_metadata(((REASON_METADATA_KEY, "unauthenticated"),))
-      context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+      context.set_trailing_metadata(((REASON_METADATA_KEY, Reason.UNAUTHENTICATED.value),))
+      context.abort(grpc.StatusCode[Reason.UNAUTHENTICATED.status], message)
 
     if handler.request_streaming and handler.response_streaming:
       return grpc.stream_stream_rpc_method_handler(refuse)

@@ -1,15 +1,15 @@
 """The syncer's raw-TCP data plane (framing: `wire.py`): Push and Pull payloads at socket speed, beside the
 gRPC service, which stays the control plane (join, leave, heartbeat, status) and the fallback.
 
-Every decision is the gRPC servicer's: the same core, limits (largest push, long-poll cap, call rate per
-caller, pushes and pulls in flight per caller), fingerprint check, learner-id bounds (observers, whose id
-is `protocol.OBSERVER_ID`, may pull) and counters (`SyncerServicer`); a push's header is the gRPC
-PushHeader, idempotency key included, so a push retried over gRPC after its data-plane reply was lost is
-merged once. The core's refusals travel back with their reason.
+Every decision is the gate's (`gate.py`), as for the gRPC front-end: the same core, limits (largest push,
+long-poll cap, call rate per caller), fingerprint check, learner-id bounds (observers, whose id is
+`protocol.OBSERVER_ID`, may pull) and counters; a push's header is the gRPC PushHeader
+(`protocol.convert`), idempotency key included, so a push retried over gRPC after its data-plane reply was
+lost is merged once. The core's and the gate's refusals travel back with their reason.
 
 Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
 its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
-spends its own budget), with slots of this plane's own (`admission.Slots`: at most
+spends its own budget), with slots of this plane's own (`slots.Slots`: at most
 `Limits.pushes_per_caller` pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads
 are bounded by `max_connections`).
 
@@ -37,9 +37,12 @@ import time
 
 from google.protobuf.message import DecodeError
 
+from diloco_jax.protocol import convert
 from diloco_jax.protocol import wire
-from diloco_jax.protocol.messages import OBSERVER_ID, Push, Rejected
-from diloco_jax.protocol.proto import diloco_pb2 as pb
+from diloco_jax.protocol.chunking import BufferPool
+from diloco_jax.protocol.messages import Published, PullCall
+from diloco_jax.protocol.reasons import Reason, Rejected
+from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy, Slots
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class DataPlaneLimits:
   max_connections: int = 64
-  pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`wire.BufferPool`)
+  pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`chunking.BufferPool`)
   io_timeout_s: float = 10.0  # one read or write (the service's stream_stall_s)
   transfer_timeout_s: float = 600.0  # one whole transfer, a pull's long-poll not counted (stream_deadline_s)
   pull_poll_s: float = 1.0  # a pull's long-poll checks this often whether its client went away
@@ -60,13 +63,14 @@ class DataPlaneLimits:
 
 
 class DataPlaneServer:
-  """Listens on `host:port` (0: any free port) and serves transfers for `servicer` (a SyncerServicer)."""
+  """Listens on `host:port` (0: any free port) and serves transfers through `gate`. `push_slots`,
+  `pull_slots`: this plane's transfers in flight."""
 
-  def __init__(self, servicer, token: str, host: str = "127.0.0.1", port: int = 0, *, tls=None,
+  def __init__(self, gate: SyncerGate, token: str, host: str = "127.0.0.1", port: int = 0, *, tls=None,
                limits: DataPlaneLimits = DataPlaneLimits()):
     if not token:
       raise ValueError("the data plane needs the run token")
-    self.servicer, self._token, self.limits = servicer, token, limits
+    self.gate, self._token, self.limits = gate, token, limits
     self._ssl = None
     if tls is not None:
       ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -83,10 +87,10 @@ class DataPlaneServer:
     self._sock.settimeout(0.5)  # the accept loop checks for stop this often
     self.port = self._sock.getsockname()[1]
     self._slots = threading.BoundedSemaphore(limits.max_connections)
-    service_limits = servicer.limits
-    self._push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
-    self._pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
-    self._pool = wire.BufferPool(limits.pool_bytes)
+    service_limits = gate.limits
+    self.push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
+    self.pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
+    self._pool = BufferPool(limits.pool_bytes)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="syncer-data-plane")
     self._thread.start()
@@ -107,7 +111,7 @@ class DataPlaneServer:
           return
         continue
       if not self._slots.acquire(blocking=False):
-        self.servicer._count("data_refused_busy")
+        self.gate.count("data_refused_busy")
         conn.close()
         continue
       threading.Thread(target=self._serve, args=(conn,), daemon=True, name="syncer-data").start()
@@ -122,7 +126,7 @@ class DataPlaneServer:
       self._transfer(conn, host, time.monotonic() + self.limits.transfer_timeout_s)
     except (OSError, wire.WireError, ssl.SSLError) as e:  # a peer that went away or broke the framing
       log.info("data plane: connection dropped: %s", e)
-      self.servicer._count("data_dropped")
+      self.gate.count("data_dropped")
     except Exception:  # noqa: BLE001 - a bug must not take the listener down
       log.exception("data plane: transfer failed")
     finally:
@@ -136,12 +140,12 @@ class DataPlaneServer:
     conn.sendall(wire.hello(nonce))
     head = wire.recv_exact(conn, wire.MAC_BYTES + 1 + 4, "request")
     if not hmac.compare_digest(head[:wire.MAC_BYTES], wire.mac(self._token, nonce)):
-      self.servicer._count("refused_unauthenticated")
-      conn.sendall(wire.refusal("unauthenticated", "invalid run token"))
+      self.gate.count("refused_unauthenticated")
+      conn.sendall(wire.refusal(Reason.UNAUTHENTICATED, "invalid run token"))
       return
     op, length = head[wire.MAC_BYTES:wire.MAC_BYTES + 1], struct.unpack("<I", head[-4:])[0]
     if op not in (wire.OP_PUSH, wire.OP_PULL) or length > wire.MAX_HEADER_BYTES:
-      conn.sendall(wire.refusal("protocol", f"bad request: op {op!r}, header of {length} bytes"))
+      conn.sendall(wire.refusal(Reason.PROTOCOL, f"bad request: op {op!r}, header of {length} bytes"))
       return
     header = wire.recv_exact(conn, length, "request header")
     try:
@@ -152,102 +156,56 @@ class DataPlaneServer:
     except Rejected as e:
       conn.sendall(wire.refusal(e.reason, e.message))
     except Busy as e:
-      self.servicer._count("data_refused_busy")
+      self.gate.count("data_refused_busy")
       conn.sendall(wire.refusal(e.reason, str(e)))
     except DecodeError as e:
-      self.servicer._count("data_refused_protocol")
-      conn.sendall(wire.refusal("protocol", f"unreadable request header: {e}"))
-    except _Refusal as e:
-      self.servicer._count(f"data_refused_{e.reason}")
+      self.gate.count("data_refused_protocol")
+      conn.sendall(wire.refusal(Reason.PROTOCOL, f"unreadable request header: {e}"))
+    except GateRefusal as e:
+      self.gate.count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
 
-  def _admit(self, caller) -> None:
-    if not self.servicer._rate.allow(caller):
-      raise _Refusal("rate_limit", f"learner {caller[1]} from {caller[0]} exceeds "
-                     f"{self.servicer.limits.rate_per_s:g} calls/s")
-
   def _push(self, conn, host: str, header: bytes, deadline: float) -> None:
-    h = pb.PushHeader.FromString(header)
+    h = convert.parse_push_header(header)
     caller = (f"data:{host}", h.learner_id)
-    self._admit(caller)
     total = int(h.total_size)
-    if total > self.servicer._max_push_bytes:
-      raise _Refusal("oversize", f"declared payload of {total} bytes exceeds the limit of "
-                     f"{self.servicer._max_push_bytes}")
-    self._push_slots.acquire(caller)
+    self.gate.check_push(caller, total, where=f"from {caller[0]}")
+    self.push_slots.acquire(caller)
     try:
       payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
-      push = Push(learner_id=h.learner_id, fingerprint=h.fingerprint, fragment=h.fragment,
-                  base_version=h.base_version, steps=h.steps, tokens=h.tokens, codec=h.codec, payload=payload,
-                  checksum=h.checksum, incarnation=h.incarnation, sequence=h.sequence, base_epoch=h.base_epoch)
-      receipt = self.servicer.core.push(push)
+      receipt = self.gate.push(convert.push_from(h, payload))
     finally:
-      self._push_slots.release(caller)
-    self.servicer._count("pushes")
-    self.servicer._count("push_bytes", total)
-    self.servicer._count("data_pushes")
-    response = pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late,
-                               epoch=receipt.epoch, version=receipt.version)
-    conn.sendall(wire.reply(wire.OK, response.SerializeToString()))
+      self.push_slots.release(caller)
+    self.gate.count("data_pushes")
+    conn.sendall(wire.reply(wire.OK, convert.receipt_response(receipt).SerializeToString()))
 
   def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:
-    r = pb.PullRequest.FromString(header)
-    caller = (f"data:{host}", r.learner_id)
-    self._admit(caller)
+    call = convert.parse_pull_call(header)
+    caller = (f"data:{host}", call.learner_id)
+    timeout = self.gate.open_pull(caller, call, where=f"from {caller[0]}")
+    self.pull_slots.acquire(caller)
     try:
-      self.servicer._check_fingerprint(r.fingerprint)
-    except Exception as e:  # the servicer's refusal (`_Abort`): same reason, same words
-      raise _Refusal(getattr(e, "reason", "fingerprint"), getattr(e, "message", str(e))) from None
-    if r.learner_id != OBSERVER_ID:  # observers (the global model's evaluator) pull, never join
-      self.servicer.core.check_learner_id(r.learner_id)
-    timeout = float(r.timeout_s)
-    if not (timeout >= 0 and timeout < float("inf")):
-      raise _Refusal("protocol", f"timeout_s must be finite and >= 0, got {timeout}")
-    timeout = min(timeout, self.servicer.limits.max_pull_wait_s)
-    have_version = r.have_version if r.HasField("have_version") else -1
-    have_epoch = r.have_epoch if r.HasField("have_epoch") else 0
-    self._pull_slots.acquire(caller)
-    try:
-      published = self._long_poll(conn, r, timeout, have_version, have_epoch)
+      # The core's answer within `timeout`, waited for in slices: a client that closed its connection
+      # frees this thread within `pull_poll_s`.
+      give_up = time.monotonic() + timeout
+      published = self.gate.pull(call)
+      if published is None:
+        published = self.gate.long_poll(call, give_up, self.limits.pull_poll_s, lambda: _gone(conn))
       if published is not None or not _gone(conn):
-        self._answer(conn, r, published, deadline)
+        self._answer(conn, call, published, deadline)
     finally:
-      self._pull_slots.release(caller)
+      self.pull_slots.release(caller)
 
-  def _long_poll(self, conn, r, timeout: float, have_version: int, have_epoch: int):
-    """The core's answer within `timeout`, waited for in slices: a client that closed its connection
-    frees this thread within `pull_poll_s`."""
-    give_up = time.monotonic() + timeout
-    published = self.servicer.core.pull(r.fragment, r.min_version, 0.0, have_version, have_epoch)
-    while published is None:
-      left = give_up - time.monotonic()
-      if left <= 0 or _gone(conn):
-        return None
-      published = self.servicer.core.pull(r.fragment, r.min_version, min(left, self.limits.pull_poll_s),
-                                          have_version, have_epoch)
-    return published
-
-  def _answer(self, conn, r, published, deadline: float) -> None:
+  def _answer(self, conn, call: PullCall, published: Published | None, deadline: float) -> None:
     if published is None:
-      conn.sendall(wire.reply(wire.OK, pb.PullHeader(found=False, fragment=r.fragment,
-                                                       epoch=self.servicer.core.epoch).SerializeToString()))
+      header = convert.not_found_header(call.fragment, self.gate.epoch)
+      conn.sendall(wire.reply(wire.OK, header.SerializeToString()))
       return
-    h = pb.PullHeader(found=True, fragment=published.fragment, version=published.version, codec=published.codec,
-                      checksum=published.checksum, total_size=len(published.payload), epoch=published.epoch)
-    if published.kind == "delta":
-      h.kind, h.base_version = "delta", published.base_version
-    self.servicer._count("pulls")
-    self.servicer._count("pull_bytes", len(published.payload))
-    self.servicer._count("data_pulls")
-    conn.sendall(wire.reply(wire.OK, h.SerializeToString()))
+    self.gate.pulled(published)
+    self.gate.count("data_pulls")
+    conn.sendall(wire.reply(wire.OK, convert.pull_header(published).SerializeToString()))
     deadline = max(deadline, time.monotonic() + self.limits.transfer_timeout_s)  # the long-poll is not sending
     wire.send_payload(conn, published.payload, lambda n: _check_deadline(deadline))
-
-
-class _Refusal(Exception):
-  def __init__(self, reason: str, message: str):
-    super().__init__(message)
-    self.reason, self.message = reason, message
 
 
 def _check_deadline(deadline: float) -> None:

@@ -1,18 +1,20 @@
 """Admission of the syncer's calls that may hold a thread long (gRPC Push and Pull streams, data-plane
-transfers): slots, at most `total` at once and `per_caller` per caller. Shared by the gRPC service
-(`syncer/service.py`) and the data plane (`syncer/dataplane.py`), each with slots of its own (their
-threads are their own)."""
+transfers): slots, at most `total` at once and `per_caller` per caller. Shared by the gRPC front-end
+(whose slots the gate holds, `gate.py`) and the data plane (`dataplane.py`), each with slots of its own
+(their threads are their own)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+from diloco_jax.protocol.reasons import Reason
+
 
 class Busy(Exception):
   """No slot is free: the caller backs off and retries (reason "busy"; gRPC RESOURCE_EXHAUSTED)."""
 
-  reason = "busy"
+  reason = Reason.BUSY
 
 
 class Slots:

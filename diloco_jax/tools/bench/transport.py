@@ -2,7 +2,7 @@
 
 For each codec (fp32/bf16/int8/int4) a fragment of `--mb` MB of float32 parameters is encoded, then pushed
 to and pulled from a syncer service running in a separate process (so that each end's memory is its own),
-through the real client (`GrpcTransport`: auth, byte counters) and the real service (`syncer/service.py`:
+through the real client (`GrpcTransport`: auth, byte counters) and the real service (`syncer/server/grpc_service.py`:
 auth, validation, reassembly), twice: payloads in gRPC chunks (`grpc`), and over the service's raw-TCP data
 plane (`data`: `syncer/dataplane.py`, with gRPC as the control plane). Behind the service is a stub `SyncerAPI` that checks the
 payload's CRC-32 and serves a pre-encoded fragment: the figures are the transport's, not the outer step's.
@@ -10,7 +10,7 @@ Beside it, the same bytes go through a raw TCP socket in the same run: the floor
 against. Peak RSS: psutil high-water marks sampled every 2 ms in each process during each codec's transfers.
 
 MB/s counts encoded payload bytes (1 MB = 1e6 bytes); times are the best of `--repeats`, after one
-untimed transfer of each kind (a steady state reuses its payload buffers, `wire.BufferPool`).
+untimed transfer of each kind (a steady state reuses its payload buffers, `chunking.BufferPool`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer.codec import CODECS
-from diloco_jax.protocol.messages import Published, Push, PushReceipt, Rejected
+from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
+from diloco_jax.protocol.reasons import Reason, Rejected
 from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.syncer.server import limits as limits_lib
 from diloco_jax.transports.grpc_client import GrpcTransport
 
 TOKEN_ENV = "DILOCO_BENCH_TOKEN"
@@ -83,7 +85,7 @@ class _BenchCore:
     self.pushes = 0
 
   def join(self, learner_id, fingerprint):
-    return {i: 1 for i in range(len(CODECS))}
+    return Versions({i: 1 for i in range(len(CODECS))})
 
   def leave(self, learner_id):
     pass
@@ -93,7 +95,7 @@ class _BenchCore:
 
   def push(self, push):
     if codec_lib.checksum(push.payload) != push.checksum:
-      raise Rejected("checksum", "bench payload corrupted")
+      raise Rejected(Reason.CHECKSUM, "bench payload corrupted")
     self.pushes += 1
     return PushReceipt(fragment=push.fragment, round=self.pushes, late=False)
 
@@ -149,7 +151,7 @@ def _recv_exact(conn, n):
 def _serve(size: int, block: int, chunk_kb: int) -> int:
   sampler = RssSampler()
   core = _BenchCore(size, block, sampler)
-  limits = service.Limits(chunk_bytes=chunk_kb * 1024, max_push_bytes=8 * size + (1 << 20), rate_per_s=0)
+  limits = limits_lib.Limits(chunk_bytes=chunk_kb * 1024, max_push_bytes=8 * size + (1 << 20), rate_per_s=0)
   handle = service.serve(core, "127.0.0.1:0", token=os.environ[TOKEN_ENV], limits=limits)
   raw = socket.socket()
   raw.bind(("127.0.0.1", 0))
@@ -230,7 +232,7 @@ def _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size) 
     payload = codec_lib.encode(vec, name, block)
     push = Push(learner_id=0, fingerprint="bench", fragment=i, base_version=1, steps=1, tokens=1,
                          codec=name, payload=payload, checksum=codec_lib.checksum(payload))
-    t.push(push)  # warm-up, untimed: steady state reuses payload buffers (`wire.BufferPool`)
+    t.push(push)  # warm-up, untimed: steady state reuses payload buffers (`chunking.BufferPool`)
     t.pull(i, 0)
     t.status()
     sampler.reset()

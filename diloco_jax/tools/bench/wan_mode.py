@@ -17,6 +17,7 @@ from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer.server import grpc_service as service
+from diloco_jax.syncer.server import limits as limits_lib
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports import wan as wan_lib
 from diloco_jax.transports.grpc_client import GrpcTransport
@@ -92,7 +93,7 @@ def run_mode(config, mode: Mode, devices, spec: wan_lib.WanSpec, steps: int, bar
   token = secrets.token_hex(16)
   core, fingerprint = build.build_core(c, f"bench-wan-{mode.name}")
   ticker = Ticker(core)
-  handle = service.serve(core, "127.0.0.1:0", token=token, limits=service.Limits.from_config(c),
+  handle = service.serve(core, "127.0.0.1:0", token=token, limits=limits_lib.Limits.from_config(c),
                          fingerprint=fingerprint)
   link = wan_lib.WanLink(spec)
   transport = GrpcTransport(
