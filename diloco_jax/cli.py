@@ -103,10 +103,14 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
 
 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
-  """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
-  the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
-  # Imported here: the config module imports jax (via mesh), and `sim` must start without it.
-  from diloco_jax.config import schema as config_lib
+  """The one check a command runs on its config, before anything compiles; returns the config resolved
+  (`config_lib.resolve`: the RunSpec the command hands to what it builds). Stage 1, the fields
+  (`config_lib.validate`); stage 2, with `learners` the run's fragment plan from the model's abstract shapes
+  (`check_fragment_plan`), and with `data` (every command that reads the data, i.e. all but the syncer) the
+  data files the config names (`data.check_files`). A bad field exits with status 2 and a message naming it."""
+  # Imported here: the data pipeline and the model import jax, and `sim` must start without it (so must
+  # config, until outer/merge.py, which it reads the merge rules from, imports no jax).
+  from diloco_jax import config as config_lib
   from diloco_jax.data import pipeline as data_lib
 
   try:
@@ -117,13 +121,13 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
       data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
-  return config
+  return config_lib.resolve(config)
 
 
 def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
-  from diloco_jax.config import schema as config_lib  # lazy, as in `validated`
+  from diloco_jax import config as config_lib  # lazy, as in `validated`
   from diloco_jax.outer import fragments
   from diloco_jax.compute import model
 

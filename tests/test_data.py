@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.data import pipeline as data
 
 MAX_BYTES = 300_000  # a slice of the embedded corpus: large enough for real shards, fast to read

@@ -628,10 +628,10 @@ class SyncerCore:
     """(steps, tokens) as the merge weight counts them: at most one schedule period's."""
     s = self.settings
     steps, tokens = push.steps, push.tokens
-    if s.sync_every:
-      steps = min(steps, s.sync_every)
+    if s.period_steps:
+      steps = min(steps, s.period_steps)
       if s.tokens_per_step:
-        tokens = min(tokens, s.sync_every * s.tokens_per_step)
+        tokens = min(tokens, s.period_steps * s.tokens_per_step)
     return steps, tokens
 
   def _period_steps_locked(self, p: int) -> float:
@@ -639,8 +639,8 @@ class SyncerCore:
     the reference covered fewer (a front-loaded schedule's early syncs are a few steps apart)."""
     steps = self._norm_steps[p]
     if len(steps) >= NORM_WARMUP:
-      return max(1.0, min(float(self.settings.sync_every), float(np.median(steps))))
-    return float(self.settings.sync_every)
+      return max(1.0, min(float(self.settings.period_steps), float(np.median(steps))))
+    return float(self.settings.period_steps)
 
   def _norm_reference_locked(self, p: int) -> tuple[float, str]:
     """The norm fragment p's outer gradients are compared with, and what it is."""
@@ -693,7 +693,7 @@ class SyncerCore:
           reference, what = at_base, f"the reference when its base version {push.base_version} was published"
         # A push of n periods (work a learner pushes again after a syncer restart, or after it was cut
         # off) may be up to n periods' change; its steps are bounded by the claim check above.
-        periods = max(1.0, push.steps / self._period_steps_locked(p)) if s.sync_every else 1.0
+        periods = max(1.0, push.steps / self._period_steps_locked(p)) if s.period_steps else 1.0
         if not norm <= s.max_norm_ratio * periods * reference:
           raise self._reject("outlier", f"outer gradient norm {norm:.4g} of fragment {p} over {push.steps} "
                              f"steps exceeds outer.max_norm_ratio={s.max_norm_ratio:g} x {periods:g} "

@@ -37,7 +37,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import local as launch_local
 
 
@@ -280,7 +280,7 @@ class _Job:
     cut_dir = workdir / "cutoff"
     cut_dir.mkdir(parents=True, exist_ok=True)
     self.cut_pattern = str(cut_dir / "learner_{learner}")
-    argv = config_argv + [f"--config.comms.cutoff_file={self.cut_pattern}"]
+    argv = config_argv + [f"--config.emulation.cutoff_file={self.cut_pattern}"]
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     launch_local.write_token(workdir / "token")
     self.launcher = launch_local.Launcher(config, argv, workdir, run_id, stop_timeout_s=60.0,
@@ -557,7 +557,7 @@ def analyze(config, workdir: pathlib.Path, raw: dict, reference: dict | None, ev
 def stall_bound_s(config, report: dict) -> float:
   """What a stall beyond the undisturbed cadence may cost: the stall bound (outer.max_grace_s by default)
   plus one step."""
-  return config_lib.stall_bound_s(config) + report["step_time_s"]
+  return config_lib.resolve(config).outer.stall_s + report["step_time_s"]
 
 
 def verdict(config, report: dict) -> dict:
@@ -584,7 +584,8 @@ def format_report(config, report: dict) -> str:
            f"  longest time without any version advancing: {report['longest_stall_s']:.2f} s outside syncer "
            f"outages ({report['longest_stall_raw_s']:.2f} s with them)"
            + (f"; undisturbed {report['reference']['longest_stall_s']:.2f} s, excess "
-              f"{report['excess_stall_s']:.2f} s (bound: stall {config_lib.stall_bound_s(config):g} s + one step "
+              f"{report['excess_stall_s']:.2f} s (bound: stall "
+              f"{config_lib.resolve(config).outer.stall_s:g} s + one step "
               f"{report['step_time_s']:.3f} s)" if "reference" in report else "")]
   for n, o in enumerate(report["syncer_restarts"]):
     back = o["back_to_merging_s"]

@@ -43,7 +43,6 @@ from typing import Any
 
 import grpc
 
-from diloco_jax.outer import fragments
 from diloco_jax.protocol.messages import (OBSERVER_ID, REASON_METADATA_KEY, ProtocolError, Push, Reassembler, Rejected, SyncerAPI, chunks, shorten)
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
@@ -449,8 +448,8 @@ def workers_for(config) -> int:
 
 
 def _learner_in_flight(config) -> int:
-  """A learner's comms workers: its fragments in flight (`outer.max_in_flight`, 0: the schedule's need)."""
-  return fragments.in_flight_limit_for(config)
+  """A learner's comms workers: its fragments in flight (`outer.max_in_flight` of the run's resolved spec)."""
+  return int(config.outer.max_in_flight)
 
 
 def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsConfig | None = None,
