@@ -9,7 +9,8 @@ frozen RunSpec, and the run's config.json. Imports no jax, flax or optax.
 `from diloco_jax import config as config_lib` gives the names below.
 """
 
-from diloco_jax.config.files import CONFIG_FILE, FINGERPRINT_FILE, config_json, fingerprint, load_resolved, save_resolved
+from diloco_jax.config.files import (CONFIG_FILE, FINGERPRINT_FILE, config_json, fingerprint, load_resolved,
+                                     save_resolved)
 from diloco_jax.config.resolve import (CommsSpec, DataSpec, EmulationSpec, LearnersSpec, MeshSpec, ModelSpec,
                                        OuterSpec, RunSpec, SyncerSpec, TrainSpec, as_config, resolve,
                                        resolve_axis_sizes)
