@@ -13,7 +13,7 @@ from typing import Callable
 from absl import flags
 from ml_collections import config_flags
 
-from diloco_jax.outer import fragments
+from diloco_jax import config as config_lib
 
 
 class UsageError(SystemExit):
@@ -109,10 +109,12 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
 
 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
-  """config_lib.validate with a clean exit instead of a traceback; with `data` (every command that reads
-  the data, i.e. all but the syncer) also the data files the config names (`data.check_files`)."""
-  # Lazy: config/schema (through compute/mesh) and data/pipeline (through grain) import jax; see above.
-  from diloco_jax.config import schema as config_lib
+  """The one check a command runs on its config, before anything compiles; returns the config resolved
+  (`config_lib.resolve`: the RunSpec the command hands to what it builds). Stage 1, the fields
+  (`config_lib.validate`); stage 2, with `learners` the run's fragment plan from the model's abstract shapes
+  (`check_fragment_plan`), and with `data` (every command that reads the data, i.e. all but the syncer) the
+  data files the config names (`data.check_files`). A bad field exits with status 2 and a message naming it."""
+  # Lazy: the data pipeline imports jax (through grain), and model-free commands (sim) start without it.
   from diloco_jax.data import pipeline as data_lib
 
   try:
@@ -123,14 +125,13 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
       data_lib.check_files(config)
   except config_lib.ConfigError as e:
     raise UsageError(str(e)) from None
-  return config
+  return config_lib.resolve(config)
 
 
 def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
   # Lazy, as in `validated`: compute/plans reaches jax through the model.
-  from diloco_jax.config import schema as config_lib
   from diloco_jax.compute import plans
 
   try:

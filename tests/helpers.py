@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from diloco_jax import config as config_lib
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.runs import local as launch_local
 from diloco_jax.data import shards
@@ -42,18 +43,52 @@ class FakeClock:
     return self.t
 
 
+# QuorumPolicy fields, and the `outer` config field each is resolved from.
+_POLICY_FIELDS = {"min_quorum": "min_quorum", "tau": "tau", "gamma": "grace_gamma", "min_grace_s": "min_grace_s",
+                  "max_grace_s": "max_grace_s"}
+
+
+def syncer_settings(sizes: Sequence[int] = (8,), *, config=None, fingerprint: str = FP, **overrides) -> SyncerSettings:
+  """The SyncerSettings a run gives over fragments of `sizes` (a periodic schedule: the period is
+  `outer.sync_every`): `config` (default `base_config()`, the shipped defaults) resolved, as the syncer builds
+  them (`SyncerSettings.from_spec`). `overrides`: `num_learners` and the QuorumPolicy fields (min_quorum,
+  tau, gamma, min_grace_s, max_grace_s) set the config fields they come from before resolving (what derives
+  from them follows: `stall_s` from `max_grace_s`, `downlink_history` from `num_learners`, ...); any other
+  SyncerSettings field is replaced on top. A test that overrides a field says why."""
+  config = config_lib.base_config() if config is None else config.copy_and_resolve_references()
+  if "num_learners" in overrides:
+    config.learners.num = overrides.pop("num_learners")
+  for field, name in _POLICY_FIELDS.items():
+    if field in overrides:
+      config.outer[name] = overrides.pop(field)
+  spec = config_lib.resolve(config)
+  return dataclasses.replace(SyncerSettings.for_fragments(spec, tuple(sizes), spec.outer.sync_every, fingerprint),
+                             **overrides)
+
+
+def quorum_policy(**overrides) -> QuorumPolicy:
+  """The QuorumPolicy of the shipped defaults with `overrides` (its fields) set: `syncer_settings(...).policy`."""
+  return syncer_settings(**overrides).policy
+
+
 def make_core(sizes: Sequence[int] = (8,), *, codec: str = "fp32", downlink: str = "fp32", block: int = 64,
               k: int = 1, max_grace_s: float = 0.0, lr: float = 0.7, momentum: float = 0.9,
-              initial: Sequence[np.ndarray] | str = "random", clock=None, fingerprint: str = FP, tape=None,
+              initial: Sequence[np.ndarray] | str = "random", clock=None, fingerprint: str = FP, config=None,
+              tape=None,
               **settings) -> SyncerCore:
-  """A SyncerCore over fragments of `sizes`. `initial`: "random" (seeded), "arange" (arange(n) / 8),
-  "linspace" (-1..1), or the vectors. Extra keyword arguments: SyncerSettings fields (lease_s, merge_rule,
-  staleness_beta, num_learners (default 8), ...) or QuorumPolicy fields (gamma, tau, min_grace_s)."""
-  policy_fields = {f: settings.pop(f) for f in ("gamma", "tau", "min_grace_s") if f in settings}
+  """A SyncerCore over fragments of `sizes` with the shipped defaults (`syncer_settings` of `config`, default
+  `base_config()`), but for two on purpose: an fp32 uplink (`codec`: exact arithmetic for the tests'
+  equalities) and no grace window (`max_grace_s` 0: a round closes at its quorum, so that no test waits on
+  timing unless it says so); and 8 learners (`num_learners`). `codec`, `downlink`, `block`, `k`,
+  `max_grace_s`, `lr`, `momentum`, `num_learners` and the policy's fields (gamma, tau, min_grace_s) set
+  config fields before resolving (what derives from them follows: `stall_s` from `max_grace_s`); other
+  keyword arguments replace SyncerSettings fields (lease_s, merge_rule, staleness_beta, max_norm_ratio...).
+  `initial`: "random" (seeded), "arange" (arange(n) / 8), "linspace" (-1..1), or the vectors."""
+  c = config_lib.base_config() if config is None else config.copy_and_resolve_references()
+  o = c.outer
+  o.codec, o.downlink_codec, o.codec_block, o.lr, o.momentum = codec, downlink, block, lr, momentum
   settings.setdefault("num_learners", 8)
-  s = SyncerSettings(num_fragments=len(sizes), sizes=tuple(sizes), codec=codec, downlink_codec=downlink,
-                     block=block, outer_lr=lr, outer_momentum=momentum, fingerprint=fingerprint,
-                     policy=QuorumPolicy(min_quorum=k, max_grace_s=max_grace_s, **policy_fields), **settings)
+  s = syncer_settings(sizes, config=c, fingerprint=fingerprint, min_quorum=k, max_grace_s=max_grace_s, **settings)
   if isinstance(initial, str):
     rng = np.random.default_rng(0)
     make = {"random": lambda n: rng.standard_normal(n).astype(np.float32),

@@ -42,7 +42,7 @@ def test_bad_budgets_are_a_usage_error(values, capsys):
 def test_the_ladder_puts_the_parts_back_one_at_a_time(tmp_path, capsys):
   """Each rung differs from the one before in the part it names; the last is the config as given, whose
   figures are the pair's; a part the config does not use gets no rung."""
-  from diloco_jax.config import schema as config_lib
+  from diloco_jax import config as config_lib
 
   c = config_lib.base_config()
   c.outer.sync_every, c.outer.tau, c.outer.min_quorum = 8, 2, 1

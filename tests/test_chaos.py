@@ -115,7 +115,7 @@ def test_chaos_command_runs_a_schedule_of_every_fault(tmp_path):
   workdir = tmp_path / "chaos"
   argv = [sys.executable, "-m", "diloco_jax", "chaos", *helpers.shipped_overrides(steps=1500, learners=3),
           "--learners", "3", "--schedule", str(schedule), "--workdir", str(workdir),
-          "--config.train.min_step_s=0.05", "--eval-batches", "3"]
+          "--config.emulation.min_step_s=0.05", "--eval-batches", "3"]
   proc = subprocess.run(argv, cwd=helpers.REPO, env=launch_local.child_env(1), capture_output=True, text=True,
                         timeout=1800)
   report = json.loads((workdir / "report.json").read_text())

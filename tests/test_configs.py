@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib

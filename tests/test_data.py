@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import pipeline as data
 

@@ -24,9 +24,9 @@ N = 300
 BLOCK = 16
 
 
-def make_core(downlink="int4", sizes=(N,)):
+def make_core(downlink="int4", sizes=(N,), **settings):
   # One learner, K=1: every push closes its round at once (everyone live has contributed).
-  c = helpers.make_core(sizes, downlink=downlink, block=BLOCK, clock=helpers.FakeClock())
+  c = helpers.make_core(sizes, downlink=downlink, block=BLOCK, clock=helpers.FakeClock(), **settings)
   c.join(0, FP)
   return c
 
@@ -76,7 +76,7 @@ def test_deltas_track_the_reference_bitwise_with_bounded_error():
 
 
 def test_laggards_and_joiners_get_the_full_reference():
-  c = make_core()
+  c = make_core(downlink_history=1)  # only the latest reference kept: a learner behind it gets the full one
   rng = np.random.default_rng(2)
   for _ in range(3):
     commit(c, rng)

@@ -15,6 +15,7 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
+from diloco_jax import config as config_lib
 from diloco_jax.runs import baseline
 from diloco_jax.tools import evaluate
 from diloco_jax.runs import export
@@ -66,7 +67,9 @@ def test_train_exports_the_global_model_at_its_final_eval_loss(diloco_run):
   model = export.load(workdir / "model")
   assert model.meta["source"] == "train" and model.meta["final_eval_loss"] == summary["final_eval_loss"]
   assert model.meta["tokenizer"] is None and model.tokenizer.vocab_size == 256
-  assert model.meta["params"] == summary["params"] and model.config.to_dict() == config.to_dict()
+  # The run's config as it ran (resolved, as its config.json records it).
+  resolved = config_lib.as_config(config_lib.resolve(config))
+  assert model.meta["params"] == summary["params"] and model.config.to_dict() == resolved.to_dict()
   result = evaluate.evaluate(model, evaluate.config_windows(model.config))
   assert result.tokens == config.data.eval_batches * config.data.global_batch * config.data.seq_len
   assert result.nats_per_token == pytest.approx(summary["final_eval_loss"], rel=1e-5)

@@ -233,7 +233,7 @@ def test_front_loaded_power_one_is_periodic_and_too_much_front_loading_is_refuse
 
 
 def test_due_fragments_follow_the_configured_schedule():
-  from diloco_jax.config import schema as config_lib
+  from diloco_jax import config as config_lib
   c = config_lib.base_config()
   c.train.steps, c.outer.sync_every, c.outer.num_fragments, c.outer.tau = 160, 20, 2, 2
   periodic = fragments.plan_for_config(fake_params(), c)

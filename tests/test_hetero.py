@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import inprocess
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.tools.bench import outer_reference
 from diloco_jax.tools.bench import hetero as bench_hetero
 from diloco_jax.learner import pace
 from diloco_jax.syncer.rules import quorum as policy
-from diloco_jax.syncer.rules.quorum import QuorumPolicy
 
 FP = helpers.FP
 
@@ -26,7 +25,7 @@ FP = helpers.FP
 
 
 def test_grace_formula_single_step_time_is_eq3():
-  p = QuorumPolicy(min_quorum=1, tau=5, gamma=0.5, max_grace_s=30.0)
+  p = helpers.quorum_policy(min_quorum=1, tau=5, gamma=0.5, max_grace_s=30.0)
   # gamma (tau * step - t_quorum - t_sync) = 0.5 (5 * 2 - 1 - 0.5)
   assert policy.grace_window_s(p, 2.0, 1.0, 0.5) == pytest.approx(4.25)
   # One contributor (the opener, offset 0): the per-learner form is the same number.
@@ -40,7 +39,7 @@ def test_grace_formula_single_step_time_is_eq3():
 
 
 def test_grace_budget_is_the_first_contributor_to_need_the_result():
-  p = QuorumPolicy(min_quorum=2, tau=4, gamma=0.5, max_grace_s=30.0)
+  p = helpers.quorum_policy(min_quorum=2, tau=4, gamma=0.5, max_grace_s=30.0)
   # The opener is slow (2 s/step, needs the result at 8 s); a fast learner (1 s/step) arrived 1 s later
   # and needs it at 1 + 4 = 5 s: the budget is 5 s, not the opener's 8 s.
   assert policy.adoption_budget_s(4, [0.0, 1.0], [2.0, 1.0]) == 5.0
@@ -164,8 +163,8 @@ def test_pacer_noise_has_mean_one_and_the_asked_cv():
   assert abs(draws.mean() - 1.0) < 0.005 and abs(draws.std() - 0.1) < 0.005 and (draws > 0).all()
   # Seeded per learner: two learners draw different noise, the same learner the same noise.
   config = config_lib.base_config()
-  config.learners.step_cv = 0.1
-  a, b, a2 = (pace.StepPacer.from_config(config, i) for i in (0, 1, 0))
+  config.emulation.step_cv = 0.1
+  a, b, a2 = (pace.StepPacer.from_spec(config_lib.resolve(config), i) for i in (0, 1, 0))
   assert a.noise() == a2.noise() != b.noise()
   with pytest.raises(ValueError, match="speeds"):
     pace.StepPacer(speed=0.0)
@@ -173,23 +172,26 @@ def test_pacer_noise_has_mean_one_and_the_asked_cv():
 
 def test_config_validates_speeds_and_device_counts(tiny_config):
   c = tiny_config
-  c.learners.speeds = (1.0, 1.0, 0.847, 0.847)
-  c.learners.step_cv = 0.1
+  c.emulation.speeds = (1.0, 1.0, 0.847, 0.847)
+  c.emulation.step_cv = 0.1
   config_lib.validate(c, 8, learners=True)
-  assert [config_lib.learner_speed(c, i) for i in range(4)] == [1.0, 1.0, 0.847, 0.847]
-  for field, value, match in (("speeds", (1.0, 0.5), "learners.speeds"), ("speeds", (1.0, 1.0, 1.0, -1.0),
-                              "learners.speeds"), ("step_cv", 1.5, "learners.step_cv"),
-                              ("step_s", -0.1, "learners.step_s"), ("device_counts", (1, 2), "learners.device_counts")):
+  assert list(config_lib.resolve(c).emulation.speeds) == [1.0, 1.0, 0.847, 0.847]
+  for field, value, match in (("emulation.speeds", (1.0, 0.5), "emulation.speeds"),
+                              ("emulation.speeds", (1.0, 1.0, 1.0, -1.0), "emulation.speeds"),
+                              ("emulation.step_cv", 1.5, "emulation.step_cv"),
+                              ("emulation.step_s", -0.1, "emulation.step_s"),
+                              ("learners.device_counts", (1, 2), "learners.device_counts")):
     bad = config_lib.base_config()
-    bad.learners[field] = value
+    section, name = field.split(".")
+    bad[section][name] = value
     with pytest.raises(config_lib.ConfigError, match=match):
       config_lib.validate(bad, 8, learners=True)
   # Learners of different sizes: the global batch is split in proportion to their devices.
   d = config_lib.base_config()
   d.learners.num, d.learners.device_counts, d.data.global_batch = 2, (1, 3), 24
   config_lib.validate(d, 4, learners=True)
-  assert [config_lib.learner_batch(d, i) for i in range(2)] == [6, 18]
-  assert [config_lib.learner_devices(d, i) for i in range(2)] == [1, 3]
+  assert list(config_lib.resolve(d).learners.batches) == [6, 18]
+  assert list(config_lib.resolve(d).learners.device_counts) == [1, 3]
   with pytest.raises(config_lib.ConfigError, match="learners.device_counts"):
     config_lib.validate(d, 3, learners=True)  # 4 devices asked for
   d.data.global_batch = 16
@@ -231,15 +233,15 @@ def test_fast_learners_never_wait_for_slow_ones_with_the_shipped_quorum(tiny_con
   same learners would wait for the slow ones at every round."""
   c = _small(tiny_config, steps=30)
   assert c.outer.min_quorum == 1 and c.outer.max_grace_s > 0  # the shipped default: K = 1 + grace
-  c.learners.speeds = (1.0, 1.0, 0.4, 0.4)
-  c.learners.step_s = 0.1
-  c.learners.step_cv = 0.1
+  c.emulation.speeds = (1.0, 1.0, 0.4, 0.4)
+  c.emulation.step_s = 0.1
+  c.emulation.step_cv = 0.1
   summary = inprocess.run(c, str(tmp_path), quiet=True)
   fast, slow = summary["learners"][:2], summary["learners"][2:]
   records = metrics_lib.read_jsonl(tmp_path / "syncer" / "rounds.jsonl")
   # The slow learners take 2.5x as long per step (emulated): in lockstep (K = M) a fast learner would wait
   # about 30 x 0.1 x (1 / 0.4 - 1) = 4.5 s for them. It waited less than a tenth of that, in all.
-  lockstep_wait = 30 * c.learners.step_s * (1 / 0.4 - 1)
+  lockstep_wait = 30 * c.emulation.step_s * (1 / 0.4 - 1)
   for l in fast:
     assert l["steps"] == 30 and l["pace"]["speed"] == 1.0
     assert l["blocked_s"] < 0.1 * lockstep_wait, (l, lockstep_wait)

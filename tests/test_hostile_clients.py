@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol.messages import OBSERVER_ID
@@ -306,8 +306,8 @@ def test_slots_and_workers_follow_the_learners_fragments_in_flight():
   # has 3 fragments in flight, so 3 comms workers (and a retry of each) may call at once.
   c = config_lib.base_config()
   c.learners.num, c.outer.num_fragments, c.outer.sync_every, c.outer.tau, c.outer.max_in_flight = 8, 20, 20, 2, 0
-  limits = limits_lib.Limits.from_config(c)
+  limits = limits_lib.Limits.from_config(config_lib.resolve(c))
   assert limits.pushes_per_caller == limits.pulls_per_caller == 2 * 3
-  assert limits_lib.workers_for(c) == 4 * 8 * 3
+  assert limits_lib.workers_for(config_lib.resolve(c)) == 4 * 8 * 3
   c.outer.max_in_flight = 5
-  assert limits_lib.Limits.from_config(c).pulls_per_caller == 10
+  assert limits_lib.Limits.from_config(config_lib.resolve(c)).pulls_per_caller == 10

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from diloco_jax.runs import baseline
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import inprocess
 from diloco_jax import metrics
 from diloco_jax.compute import trainer as trainer_lib
@@ -67,7 +67,7 @@ def test_learners_averaged_every_step_with_sgd_are_data_parallel_sgd(tiny_config
   for k in range(4):
     learner = trainer_lib.MeshTrainer(c, jax.devices()[2 * k:2 * k + 2], str(tmp_path / "diloco" / f"learner_{k}"),
                                       batch_size=c.data.global_batch // 4, num_shards=4, shard_index=k,
-                                      train_cfg=config_lib.learner_train(c))
+                                      train_cfg=config_lib.resolve(c).learners.inner)
     learner_params = _restored_params(learner)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), learner_params, dp_params)
 

@@ -98,6 +98,10 @@ RULES = [
      "through protocol + transports"),
     ("diloco_jax.evaluator.loop", "grpc", "the evaluator's loop runs in process too (train), without grpc"),
     ("diloco_jax.evaluator.loop", "diloco_jax.transports", "the evaluator's loop takes any Transport"),
+    ("diloco_jax.config", "jax", "the config is pure: schema, checks and resolution import no jax"),
+    ("diloco_jax.config", "flax", "the config is pure: schema, checks and resolution import no flax"),
+    ("diloco_jax.config", "optax", "the config is pure: schema, checks and resolution import no optax"),
+    ("diloco_jax.config", "diloco_jax.compute", "the config knows no model or mesh (compute imports config)"),
 ]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.data import pipeline as data
 from diloco_jax.compute import inner
 
@@ -15,7 +15,7 @@ def test_learners_inner_overrides_train_field_by_field(tiny_config):
   c = tiny_config
   c.learners.inner.lr = 1e-2
   c.learners.inner.grad_clip = 0.0
-  t = config_lib.learner_train(c)
+  t = config_lib.resolve(c).learners.inner
   assert t.lr == 1e-2 and t.grad_clip == 0.0
   for field in ("b1", "b2", "eps", "weight_decay", "optimizer", "steps"):
     assert t[field] == c.train[field]

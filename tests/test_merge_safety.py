@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.syncer import core as core_lib
@@ -24,12 +24,14 @@ H, TPB, STEPS = 10, 256, 60  # sync_every, tokens per learner step, train.steps
 
 
 def make_core(num_learners=4, sizes=(64,), k=1, max_norm_ratio=10.0, **kw):
-  """A core with the run bounds `from_config` sets (tiny_cpu-like), lr 1 / momentum 0 (new global = old
-  global - merged delta), every learner joined."""
+  """A core of a run with tiny_cpu-like bounds (each learner's step: 4 sequences of 64 tokens, TPB; H = 10;
+  60 steps), lr 1 / momentum 0 (new global = old global - merged delta), every learner joined."""
   clock = helpers.FakeClock()
   kw.setdefault("lease_s", 100.0)
-  c = helpers.make_core(sizes, k=k, lr=1.0, momentum=0.0, clock=clock, num_learners=num_learners,
-                        tokens_per_step=TPB, sync_every=H, max_push_steps=STEPS,
+  config = config_lib.base_config()
+  config.data.global_batch, config.data.seq_len = 4 * num_learners, TPB // 4
+  config.outer.sync_every, config.train.steps = H, STEPS
+  c = helpers.make_core(sizes, k=k, lr=1.0, momentum=0.0, clock=clock, num_learners=num_learners, config=config,
                         max_norm_ratio=max_norm_ratio, **kw)
   for i in range(num_learners):
     c.join(i, FP)
@@ -60,15 +62,15 @@ def test_settings_from_config_bound_the_claims():
   c = config_lib.base_config()
   c.learners.num, c.data.global_batch, c.data.seq_len = 4, 16, 64
   plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8, "longest_gap": c.outer.sync_every})()
-  s = settings_lib.SyncerSettings.from_config(c, plan, "fp")
-  assert (s.num_learners, s.tokens_per_step, s.sync_every, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
-                                                                                 c.train.steps)
+  s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(c), plan, "fp")
+  assert (s.num_learners, s.tokens_per_step, s.period_steps, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
+                                                                                   c.train.steps)
   assert s.max_norm_ratio == c.outer.max_norm_ratio == 10.0
   # A front-loaded schedule: a merge weight counts up to its longest gap, not H.
   c.outer.sync_schedule, c.train.steps = "front_loaded", 160
   plan = fragments.plan_for_config({"w": np.zeros(8, np.float32)}, c)
-  s = settings_lib.SyncerSettings.from_config(c, plan, "fp")
-  assert s.sync_every == plan.longest_gap == 38 > c.outer.sync_every
+  s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(c), plan, "fp")
+  assert s.period_steps == plan.longest_gap == 38 > c.outer.sync_every
 
 
 @pytest.mark.parametrize("steps,tokens,why", [
@@ -93,7 +95,8 @@ def test_impossible_claims_are_refused_and_change_nothing(steps, tokens, why):
 def test_no_claim_weighs_more_than_an_honest_period(rule):
   # Learner 0 claims the most the schedule allows (all of train.steps); learner 1 an honest period. Both
   # weigh one period: the merge is their plain mean.
-  c, _ = make_core(k=2, merge_rule=rule)
+  # Two of four learners' pushes make the round: the plain weighted mean, not scaled to their share.
+  c, _ = make_core(k=2, merge_rule=rule, scale_partial_rounds=False)
   g0 = c.global_fragments()[0]
   a, b = small(seed=1), small(seed=2)
   push(c, 0, a, steps=STEPS, tokens=STEPS * TPB)
@@ -102,7 +105,7 @@ def test_no_claim_weighs_more_than_an_honest_period(rule):
   np.testing.assert_allclose(c.global_fragments()[0], g0 - (0.5 * a + 0.5 * b), rtol=1e-5, atol=1e-7)
   assert c.counters["tokens_merged"] == (STEPS + H) * TPB  # the tokens are still counted as claimed
   # A shorter honest push (a flush) still weighs less.
-  c, _ = make_core(k=2, merge_rule=rule)
+  c, _ = make_core(k=2, merge_rule=rule, scale_partial_rounds=False)
   g0 = c.global_fragments()[0]
   push(c, 0, a, steps=5)
   push(c, 1, b)
@@ -219,9 +222,10 @@ def test_zero_pushes_do_not_set_the_scale():
 def test_a_round_that_would_publish_nonfinite_values_is_refused_whole(caplog):
   # With the outlier check off, the issue's push (3e38 per element, finite) pushed alone reaches a round:
   # the Nesterov step would overflow to inf (and NaN next). The round is refused: nothing is published.
+  # (Rounds unscaled: scaled to one learner's share of four, this step would stay finite.)
   clock = helpers.FakeClock()
   c = helpers.make_core((64,), k=1, lr=0.7, momentum=0.9, clock=clock, num_learners=4, lease_s=100.0,
-                        max_grace_s=0.0)
+                        max_grace_s=0.0, max_norm_ratio=0.0, scale_partial_rounds=False)
   for i in range(4):
     c.join(i, FP)
   c.push(helpers.make_push(0, small(), core=c))  # round 0 merges normally
@@ -261,8 +265,9 @@ def test_a_refused_round_leaves_no_chunk_of_the_fragment_changed(codec, threads)
   # norm's bound of float32, whose sum (x 1.9, Nesterov's g + mu m) overflows at the fragment's end only.
   n = 5 * 65536 + 100
   clock = helpers.FakeClock()
+  # The outlier check off (max_norm_ratio 0): the overflow must reach the round's close.
   c = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
-                        lease_s=100.0, merge_threads=threads)
+                        lease_s=100.0, merge_threads=threads, max_norm_ratio=0.0)
   for i in range(2):
     c.join(i, FP)
   c.push(helpers.make_push(0, small(n), core=c))
@@ -278,7 +283,7 @@ def test_a_refused_round_leaves_no_chunk_of_the_fragment_changed(codec, threads)
   np.testing.assert_array_equal(after["opt_states"][0], state0["opt_states"][0])
   # The next honest round steps from the untouched state, as a core that never saw the refused one does.
   twin = helpers.make_core((n,), codec=codec, k=2, lr=0.7, momentum=0.9, clock=clock, num_learners=2,
-                           lease_s=100.0, merge_threads=threads)
+                           lease_s=100.0, merge_threads=threads, max_norm_ratio=0.0)
   twin.load_state_dict(state0)
   for i in range(2):
     twin.join(i, FP)
@@ -295,7 +300,7 @@ def helpers_leaves(tree):
 
 
 def test_a_duplicate_push_gets_the_original_receipt_and_merges_once():
-  c, _ = make_core(k=2)
+  c, _ = make_core(k=2, scale_partial_rounds=False)  # two of four learners: the plain mean, checked below
   g0 = c.global_fragments()[0]
   a = small(seed=1)
   first = c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))

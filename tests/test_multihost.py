@@ -181,11 +181,11 @@ def test_multi_process_learner_recovers_from_a_syncer_restart(tmp_path):
   the same decision (a mismatch would hang their collectives): both finish, versions never go backwards,
   and every token is merged exactly once (the work the crash lost, its own pushes and the lost merges it
   had adopted, was pushed again as new pushes: neither dropped as a duplicate nor merged twice)."""
-  # Inner steps paced to 0.1 s (`train.min_step_s`), so that the learner is not done before the kill.
+  # Inner steps paced to 0.1 s (`emulation.min_step_s`), so that the learner is not done before the kill.
   steps = 200
   run = helpers.ProcessRun(tmp_path, helpers.shipped_overrides(
       steps=steps, learners=1, **{"learners.devices": 2, "learners.peer_timeout_s": 30.0,
-                                  "train.min_step_s": 0.1}))
+                                  "emulation.min_step_s": 0.1}))
   port = helpers.free_port()
   try:
     run.syncer(f"127.0.0.1:{port}")
@@ -222,7 +222,7 @@ def test_multi_process_learner_back_from_a_stop_catches_up_on_every_process(tmp_
   steps = 1000  # learner 1 trains on through the stop
   run = helpers.ProcessRun(tmp_path, helpers.shipped_overrides(
       steps=steps, learners=2, **{"learners.devices": 2, "learners.peer_timeout_s": 30.0,
-                                  "train.min_step_s": 0.05}))
+                                  "emulation.min_step_s": 0.05}))
   try:
     run.syncer()
     group = run.group_learner(0, hosts=2)

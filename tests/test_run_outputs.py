@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.runs import baseline
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.compute import model as model_lib
@@ -48,7 +48,9 @@ def test_the_resolved_config_is_saved_beside_the_results(runs):
   config = runs["config"]
   for name, run_id in (("diloco", inprocess.RUN_ID), ("dp", "")):
     workdir = runs["root"] / name
-    assert config_lib.load_resolved(workdir) == config
+    # The config as run, every derived value filled in: it resolves to the spec the run had.
+    assert config_lib.load_resolved(workdir) == config_lib.as_config(config_lib.resolve(config))
+    assert config_lib.resolve(config_lib.load_resolved(workdir)) == config_lib.resolve(config)
     assert (workdir / "fingerprint.txt").read_text().strip() == config_lib.fingerprint(config, run_id)
 
 

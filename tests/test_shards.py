@@ -1,5 +1,6 @@
 """The sharded syncer: fragment placement, shard cores, the sharded transport (in process and over gRPC)."""
 
+import math
 import re
 import signal
 import subprocess
@@ -35,6 +36,9 @@ def test_placement_is_balanced_deterministic_and_total():
 
 
 def _cores(shards: int, **kw):
+  # Its learners report no steps between pushes (0.1 s apart on the fake clock): no stall bound, so that
+  # rounds close by the quorum alone, on one core as on the shards.
+  kw.setdefault("stall_s", math.inf)
   clock = helpers.FakeClock()
   owned = placement.assign_shards(SIZES, shards) if shards > 1 else [None]
   cores = [helpers.make_core(SIZES, codec="int4", downlink="int4", k=2, max_grace_s=0.0, clock=clock,

@@ -26,7 +26,7 @@ def _cfg(**kw):
 
 def _schedule(**kw):
   base = dict(inner_steps=10, fragments=2, tau=2, max_in_flight=2, step_s=1.0, step_cv=0.1, t_sync_s=0.1,
-              policy=syncer_policy.QuorumPolicy(min_quorum=1, tau=2, gamma=0.5, max_grace_s=0.5))
+              policy=helpers.quorum_policy(min_quorum=1, tau=2, gamma=0.5, max_grace_s=0.5))
   base.update(kw)
   return rounds.Schedule(**base)
 
@@ -100,7 +100,7 @@ def test_table_cells_near_published():
 
 def test_push_again_only_after_the_previous_sync_came_back():
   for k, speeds in ((4, (0.8, 0.8, 1.0, 1.0)), (1, (0.8, 0.8, 1.0, 1.0))):
-    policy = syncer_policy.QuorumPolicy(min_quorum=k, tau=2, gamma=0.5, max_grace_s=0.5)
+    policy = helpers.quorum_policy(min_quorum=k, tau=2, gamma=0.5, max_grace_s=0.5)
     # max_in_flight above P: the same-fragment rule, not the in-flight bound, is what holds a learner back.
     out = _outer(_schedule(policy=policy, max_in_flight=4), speeds)
     pushes = out.records["pushes"]
@@ -124,8 +124,8 @@ def test_one_push_per_learner_per_round_and_every_push_merged_once():
   # The scenario: fast learners used to push twice into a round (8.75 contributors of 8 learners).
   # A grace window longer than H steps (tau > H) lets a learner whose push was late (its sync came back at
   # once) push the same fragment again while that round is still open: it waits for the next round.
-  long_grace = syncer_policy.QuorumPolicy(min_quorum=1, tau=20, gamma=0.9, max_grace_s=50.0)
-  cases = [(_schedule(policy=syncer_policy.QuorumPolicy(min_quorum=k, tau=2, gamma=0.5, max_grace_s=5.0),
+  long_grace = helpers.quorum_policy(min_quorum=1, tau=20, gamma=0.9, max_grace_s=50.0)
+  cases = [(_schedule(policy=helpers.quorum_policy(min_quorum=k, tau=2, gamma=0.5, max_grace_s=5.0),
                       step_cv=0.3), (0.6, 0.8, 1.0, 1.0)) for k in (1, 4)]
   cases.append((_schedule(inner_steps=4, fragments=1, tau=20, step_cv=0.3, policy=long_grace), (1.0, 0.5, 0.35)))
   for schedule, speeds in cases:
@@ -144,7 +144,7 @@ def test_one_push_per_learner_per_round_and_every_push_merged_once():
 
 
 def test_rounds_close_by_the_project_policy():
-  policy = syncer_policy.QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, max_grace_s=0.5)
+  policy = helpers.quorum_policy(min_quorum=2, tau=2, gamma=0.5, max_grace_s=0.5)
   schedule = _schedule(policy=policy)
   speeds = (0.8, 1.0, 1.0)
   out = _outer(schedule, speeds)
@@ -160,7 +160,7 @@ def test_rounds_close_by_the_project_policy():
 def test_blocked_time_follows_the_slow_learner_exactly():
   # No noise: a speed-1 and a speed-0.5 learner, K = 2, one fragment every 10 s of the fast one. The fast
   # learner pushes at 10, 20 (its first sync came back at 20), then waits 10 s out of every 20 from t = 30.
-  policy = syncer_policy.QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, max_grace_s=0.0)
+  policy = helpers.quorum_policy(min_quorum=2, tau=2, gamma=0.5, max_grace_s=0.0)
   out = _outer(_schedule(fragments=1, step_cv=0.0, t_sync_s=0.0, policy=policy), (1.0, 0.5), window_s=1000.0)
   assert out.blocked_s[1] == 0.0
   assert out.blocked_s[0] == pytest.approx((1000 - 30) / 2, abs=10)
@@ -169,7 +169,7 @@ def test_blocked_time_follows_the_slow_learner_exactly():
 
 
 def test_tau_zero_waits_for_every_sync():
-  policy = syncer_policy.QuorumPolicy(min_quorum=1, tau=0, gamma=0.5, max_grace_s=0.0)
+  policy = helpers.quorum_policy(min_quorum=1, tau=0, gamma=0.5, max_grace_s=0.0)
   out = _outer(_schedule(tau=0, fragments=1, step_cv=0.0, t_sync_s=1.0, policy=policy), (1.0,), window_s=1100.0)
   # One sync every 10 s of compute, each blocking for t_sync = 1 s: 100 syncs, 100 s blocked.
   assert out.blocked_s[0] == pytest.approx(100.0, abs=1.0)

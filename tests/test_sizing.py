@@ -14,7 +14,7 @@ import pytest
 import helpers
 
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.outer import schedule
 from diloco_jax.compute import model

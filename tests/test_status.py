@@ -30,8 +30,9 @@ TOKEN = "status-test-token-0123456789"
 
 def test_status_reports_steps_pushes_rounds_and_goodput_on_a_fake_clock():
   clock = helpers.FakeClock()
+  # stall_s 60: learner 2, silent, still counts for the whole test (the shipped bound would drop it after 1 s).
   core = helpers.make_core((8, 8), k=2, max_grace_s=1.0, gamma=0.5, tau=100, clock=clock, lease_s=60.0,
-                           num_learners=3)
+                           num_learners=3, stall_s=60.0)
   for i in range(3):  # learner 2 stays silent: the round waits for it until the grace deadline
     core.join(i, FP)
   core.heartbeat(0, 0.5, step=10)

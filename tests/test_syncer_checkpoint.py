@@ -14,7 +14,7 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.grpc_client import GrpcTransport

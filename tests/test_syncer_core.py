@@ -2,6 +2,7 @@
 
 import functools
 import json
+import math
 import threading
 import time
 
@@ -13,7 +14,7 @@ import helpers
 from diloco_jax.outer import codec
 from diloco_jax.outer import merge as outer
 from diloco_jax.tools.bench import outer_reference
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.interfaces import Transport
 from diloco_jax.protocol.messages import Push, PushReceipt
@@ -46,8 +47,9 @@ def global_of(c, p=0):
 
 
 def test_quorum_grace_straggler_late_and_everyone_in():
-  # K=2 of 4 live learners; lr 1, momentum 0: new global = old global - merged delta.
-  c, clock = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0)
+  # K=2 of 4 live learners; lr 1, momentum 0: new global = old global - merged delta (the plain weighted
+  # mean of a round's contributors: not scaled to their share of the four learners' work).
+  c, clock = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0, scale_partial_rounds=False)
   deltas = {i: np.full(8, float(i + 1), np.float32) for i in range(4)}
   g0 = global_of(c)
   clock.t = 1.0
@@ -76,7 +78,7 @@ def test_quorum_grace_straggler_late_and_everyone_in():
   assert c.counters["contributions_merged"] == 3 and c.counters["tokens_merged"] == 1000
 
   # Learner 3 pushes after round 0's deadline: it goes into round 1, as a late contribution.
-  c2, clock2 = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0)
+  c2, clock2 = make_core(num_learners=4, k=2, gamma=0.5, max_grace_s=30.0, scale_partial_rounds=False)
   clock2.t = 1.0
   c2.push(make_push(0, deltas[0], tokens=100))
   clock2.t = 1.5
@@ -102,7 +104,8 @@ def test_quorum_grace_straggler_late_and_everyone_in():
 
 
 def test_staleness_discount_applied():
-  c, clock = make_core(num_learners=2, k=2, max_grace_s=0.0, staleness_beta=1.0)
+  # Deltas far above the fragment's norm: the outlier bound (test_merge_safety's subject) off.
+  c, clock = make_core(num_learners=2, k=2, max_grace_s=0.0, staleness_beta=1.0, max_norm_ratio=0.0)
   d = np.ones(8, np.float32)
   c.push(make_push(0, d))
   c.push(make_push(1, d))
@@ -331,9 +334,9 @@ def test_pull_waits_and_times_out():
 
 
 def test_in_process_transport_two_threads():
-  settings = settings_lib.SyncerSettings(num_fragments=2, sizes=(40, 24), codec="int8", downlink_codec="bf16",
-                                     block=8, policy=QuorumPolicy(min_quorum=2, max_grace_s=5.0),
-                                     fingerprint=FP, num_learners=2)
+  # Deltas far above the zero fragments' norm: the outlier bound (test_merge_safety's subject) off.
+  settings = helpers.syncer_settings((40, 24), codec="int8", downlink_codec="bf16", block=8, min_quorum=2,
+                                     max_grace_s=5.0, num_learners=2, max_norm_ratio=0.0)
   core = core_lib.SyncerCore(settings, [np.zeros(40, np.float32), np.zeros(24, np.float32)])
   results, errors = {}, []
   barrier = threading.Barrier(2)
@@ -377,8 +380,8 @@ def test_in_process_transport_two_threads():
 
 
 def test_ticker_closes_rounds_without_other_calls():
-  settings = settings_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.05, max_grace_s=0.05), fingerprint=FP, num_learners=2)
+  settings = helpers.syncer_settings((4,), codec="fp32", min_quorum=1, min_grace_s=0.05, max_grace_s=0.05,
+                                     num_learners=2)  # fp32: the payload pushed below
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
@@ -393,8 +396,8 @@ def test_ticker_closes_rounds_without_other_calls():
 
 
 def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
-  settings = settings_lib.SyncerSettings(num_fragments=1, sizes=(4,), policy=QuorumPolicy(
-      min_quorum=1, min_grace_s=0.3, max_grace_s=0.3), fingerprint=FP, num_learners=2)
+  settings = helpers.syncer_settings((4,), codec="fp32", min_quorum=1, min_grace_s=0.3, max_grace_s=0.3,
+                                     num_learners=2)  # fp32: the payload pushed below
   core = core_lib.SyncerCore(settings, [np.zeros(4, np.float32)])
   core.join(0, FP)
   core.join(1, FP)
@@ -428,13 +431,13 @@ def test_settings_from_config_and_status_is_json():
   params = {"embed": {"embedding": np.zeros((4, 3))}, "layers": {0: {"w": np.zeros((3, 3))},
                                                                   1: {"w": np.zeros((3, 3))}}}
   plan = fragments.make_plan(params, 2, cfg.outer.sync_every)
-  s = settings_lib.SyncerSettings.from_config(cfg, plan, "fp")
+  s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(cfg), plan, "fp")
   # The downlink defaults to fp32 (the weights themselves are never quantized for learners).
   assert s.sizes == (21, 9) and s.codec == "int8" and s.downlink_codec == "fp32" and s.block == 64
   assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, min_grace_s=0.0, max_grace_s=5.0)
   assert (s.merge_rule, s.outer_lr, s.outer_momentum, s.lease_s) == ("tokens_sq_per_step", 0.7, 0.9, 30.0)
   cfg.outer.downlink_codec = "int4"
-  assert settings_lib.SyncerSettings.from_config(cfg, plan, "fp").downlink_codec == "int4"
+  assert settings_lib.SyncerSettings.from_spec(config_lib.resolve(cfg), plan, "fp").downlink_codec == "int4"
   c, clock = make_core(num_learners=2, k=2)
   c.push(make_push(0, np.ones(8)))
   status = json.loads(json.dumps(c.status()))
@@ -454,8 +457,9 @@ def test_core_closes_rounds_when_the_shared_policy_says(seed):
   arriving = sorted(rng.choice(live, size=int(rng.integers(1, live + 1)), replace=False).tolist(),
                     key=lambda _: rng.random())
   arrivals = np.cumsum(rng.exponential(1.0, len(arriving))).tolist()
-  c, clock = make_core(num_learners=live, k=k, step_time=step_time, **policy)
-  expected = round_close_time(QuorumPolicy(min_quorum=k, **policy), arrivals, live, step_time, t_sync_s=0.0)
+  # The quorum rule alone: `round_close_time` knows no stalls, so no learner stops counting here.
+  c, clock = make_core(num_learners=live, k=k, step_time=step_time, stall_s=math.inf, **policy)
+  expected = round_close_time(helpers.quorum_policy(min_quorum=k, **policy), arrivals, live, step_time, t_sync_s=0.0)
 
   closed_at = None
   events = list(zip(arrivals, arriving))

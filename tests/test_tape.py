@@ -26,7 +26,7 @@ def _scripted_run(path) -> list[int]:
   """Three learners against a core on a fake clock, with a restart; returns the final versions."""
   clock = helpers.FakeClock(100.0)
   kwargs = dict(codec="int4", downlink="int8", block=32, k=2, max_grace_s=0.5, clock=clock, lease_s=5.0,
-                num_learners=3, stall_s=2.0, max_norm_ratio=10.0, sync_every=10, tokens_per_step=64,
+                num_learners=3, stall_s=2.0, max_norm_ratio=10.0, period_steps=10, tokens_per_step=64,
                 downlink_history=4, scale_partial_rounds=True)
   core = helpers.make_core(SIZES, tape=tape_lib.Tape(path), **kwargs)
   rng = np.random.default_rng(1)

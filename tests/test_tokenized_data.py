@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import helpers
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import pipeline as data
 from diloco_jax.data import token_windows

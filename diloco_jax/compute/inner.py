@@ -38,7 +38,7 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """The inner optimizer of `train_cfg` (`config.train`, or a learner's `config.learner_train()`).
+  """The inner optimizer of `train_cfg` (`config.train`, or a learner's: the spec's `learners.inner`).
 
   `adamw`: AdamW with global-norm clipping (off when `grad_clip` is 0); no weight decay on vectors (norm
   scales). `sgd`: plain SGD with the same clipping, schedule and decoupled weight decay, no momentum: its
@@ -57,7 +57,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 def init_state(config, mesh, train_cfg=None):
   """(graphdef, state, state_shardings): parameters and optimizer state born sharded on `mesh`.
 
-  `train_cfg`: the optimizer's section (default `config.train`; learners pass `config.learner_train()`).
+  `train_cfg`: the optimizer's section (default `config.train`; learners pass the spec's `learners.inner`).
   """
   graphdef, params = model_lib.init_params(config.model, mesh, config.seed)
   tx = make_optimizer(config.train if train_cfg is None else train_cfg)

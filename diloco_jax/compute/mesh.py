@@ -11,12 +11,13 @@ collectives in between; with `Explicit` axes every op of the model would need an
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from diloco_jax.config.resolve import resolve_axis_sizes  # pure, shared with config validation
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -33,21 +34,6 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 )
 # The batch dimension of activations and data: split over every axis that replicates parameters' work.
 BATCH = ("data", "fsdp")
-
-
-def resolve_axis_sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """Axis sizes with the single -1 filled so that their product is `num_devices`."""
-  fills = [k for k, v in axes.items() if v == -1]
-  if len(fills) > 1:
-    raise ValueError(f"only one axis may be -1, got {dict(axes)}")
-  fixed = math.prod(v for v in axes.values() if v != -1)
-  if fills:
-    if num_devices % fixed:
-      raise ValueError(f"axes {dict(axes)} do not divide {num_devices} devices")
-    return {k: (num_devices // fixed if v == -1 else v) for k, v in axes.items()}
-  if fixed != num_devices:
-    raise ValueError(f"axes {dict(axes)} need {fixed} devices, got {num_devices}")
-  return dict(axes)
 
 
 def make_mesh(devices: Sequence[jax.Device], axes: Mapping[str, int]) -> Mesh:

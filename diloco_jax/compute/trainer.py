@@ -34,14 +34,14 @@ class MeshTrainer:
   """Inner training of one replica on `devices`.
 
   Args:
-    config: the run's ConfigDict.
+    config: the run's RunSpec (`config.resolve`) or its config.
     devices: the devices of this replica's mesh (a learner's slice, or all devices for the baseline).
     workdir: where checkpoints go (`<workdir>/checkpoints`, local or `gs://`); None disables checkpoints.
     batch_size: sequences per step for this replica.
     num_shards / shard_index: this replica's disjoint data shard.
     async_checkpoints: False for trainers that share a process (see `TrainCheckpointer`).
     checkpoint_dir: where checkpoints go instead of `<workdir>/checkpoints` (local or `gs://`).
-    train_cfg: the inner optimizer's settings; default `config.train` (learners: `config.learner_train()`).
+    train_cfg: the inner optimizer's settings; default `config.train` (learners: the spec's `learners.inner`).
     data_iterator: this process's train batches; default its rows of this replica's shard of
       `data.train_iterator`.
   """
@@ -75,7 +75,7 @@ class MeshTrainer:
                                                            keep=config.train.keep_checkpoints,
                                                            async_save=async_checkpoints)
     self.last_metrics = None
-    self._next_step_at = 0.0  # train.min_step_s pacing
+    self._next_step_at = 0.0  # emulation.min_step_s pacing
 
   @property
   def num_params(self) -> int:
@@ -104,9 +104,9 @@ class MeshTrainer:
     self.state = state
 
   def train_step(self):
-    """One inner step; returns its metrics as device arrays (not fetched). With `train.min_step_s`, paced
+    """One inner step; returns its metrics as device arrays (not fetched). With `emulation.min_step_s`, paced
     to at least that long per step (an emulated accelerator's speed)."""
-    pace = self.config.train.min_step_s
+    pace = self.config.emulation.min_step_s
     if pace > 0:
       now = time.perf_counter()
       if self._next_step_at > now:

@@ -137,7 +137,7 @@ def baseline_iterator(data_cfg, *, num_learners: int, seed: int = 0, batches: Se
   With `data.baseline_order = "learner_shards"` (the default) the batch of step s is the M learners'
   batches of step s side by side: learner k's shard iterator (`train_iterator(..., num_shards=M,
   shard_index=k)`) supplies the next b_k rows, b_k = global_batch / M, or `batches[k]` (the learners' own
-  batch sizes, `config.learner_batch`, when their device counts differ; they sum to global_batch). The
+  batch sizes, the resolved `learners.batches`, when their device counts differ; they sum to global_batch). The
   baseline then trains on exactly the tokens the Decoupled DiLoCo learners train on, in the same steps, so a
   comparison of the two differs only in the algorithm. With "shuffled" it is one shuffle of all windows.
   """

@@ -31,7 +31,7 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import plans
 from diloco_jax.protocol import messages as protocol

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.outer import schedule as schedule_lib
 from diloco_jax.compute import mesh as mesh_lib
@@ -195,17 +195,18 @@ class Learner:
   def __init__(self, config, learner_id: int, devices: Sequence[jax.Device], transport, fingerprint: str,
                workdir: str | None, *, metrics_log=None, async_checkpoints: bool = True,
                checkpoint_dir: str | None = None):
+    config = config_lib.resolve(config)  # the run's RunSpec passes as it is; a config (tests, tools) resolves here
     self.config, self.learner_id = config, learner_id
     outer = config.outer
     num_learners = config.learners.num
     self.trainer = trainer_lib.MeshTrainer(
-        config, devices, workdir, batch_size=config_lib.learner_batch(config, learner_id % num_learners),
+        config, devices, workdir, batch_size=config.learners.batches[learner_id % num_learners],
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
-        checkpoint_dir=checkpoint_dir, train_cfg=config_lib.learner_train(config))
-    self.pacer = StepPacer.from_config(config, learner_id % num_learners)
+        checkpoint_dir=checkpoint_dir, train_cfg=config.learners.inner)
+    self.pacer = StepPacer.from_spec(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.plan_for_config(self.trainer.state.params, config)
-    self.max_in_flight = schedule_lib.in_flight_limit_for(config)
+    self.max_in_flight = config.outer.max_in_flight
     mesh, sh = self.trainer.mesh, self.trainer.shardings
     self._fns = [_fragment_fns(self.plan, p, mesh, sh.params) for p in range(self.plan.num_fragments)]
     keys = fragments_lib.leaf_keys(self.trainer.state.params)
@@ -217,7 +218,7 @@ class Learner:
     self.comms = None if transport is None else Comms(
         transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(self.plan.num_fragments)),
-        max_in_flight=self.max_in_flight, heartbeat_s=config_lib.heartbeat_interval_s(config),
+        max_in_flight=self.max_in_flight, heartbeat_s=config.outer.heartbeat_s,
         step_group=max(8, config.train.log_every))
     # The end of the previous step and the blocked time by then: a step's reported time runs from there
     # (the loop's metrics fetches and evals between steps are part of its pace; `Comms.report_step_time`).

@@ -1,12 +1,12 @@
 """Emulated mixed hardware: a learner's inner steps stretched to a given speed, with step-time noise.
 
 Locally every learner runs on the same kind of (fake CPU) devices, so nothing makes one slower than
-another. `StepPacer` makes learner i behave like hardware of relative speed `learners.speeds[i]`: after
+another. `StepPacer` makes learner i behave like hardware of relative speed `emulation.speeds[i]`: after
 each inner step has finished on the device, the learner sleeps until the step took
 
     target = step_s / speed * g,       g ~ Gamma(mean 1, coefficient of variation step_cv)
 
-seconds of wall time, where `step_s` is `learners.step_s` or, when that is 0, the median of the learner's
+seconds of wall time, where `step_s` is `emulation.step_s` or, when that is 0, the median of the learner's
 own last measured (unstretched) step times. A step whose computation already took longer than its target
 is not shortened (an "overrun", counted): with `step_s` set above the real step time, every learner runs
 at exactly its emulated speed whatever the load of the machine (the emulation `bench hetero` uses); with
@@ -25,8 +25,6 @@ import time
 
 import numpy as np
 
-from diloco_jax.config import schema as config_lib
-
 _MEDIAN_WINDOW = 32  # measured steps behind the step_s = 0 estimate
 
 
@@ -36,11 +34,11 @@ class StepPacer:
 
   def __init__(self, speed: float = 1.0, step_cv: float = 0.0, step_s: float = 0.0, seed: int = 0):
     if not 0 < speed <= 100:
-      raise ValueError(f"learners.speeds: a speed must be in (0, 100], got {speed}")
+      raise ValueError(f"emulation.speeds: a speed must be in (0, 100], got {speed}")
     if not 0 <= step_cv < 1:
-      raise ValueError(f"learners.step_cv must be in [0, 1), got {step_cv}")
+      raise ValueError(f"emulation.step_cv must be in [0, 1), got {step_cv}")
     if step_s < 0:
-      raise ValueError(f"learners.step_s must be >= 0, got {step_s}")
+      raise ValueError(f"emulation.step_s must be >= 0, got {step_s}")
     self.speed, self.step_cv, self.step_s = float(speed), float(step_cv), float(step_s)
     self.active = speed != 1.0 or step_cv > 0 or step_s > 0
     self._rng = np.random.default_rng(seed)
@@ -50,11 +48,12 @@ class StepPacer:
     self.slept_s = 0.0
 
   @classmethod
-  def from_config(cls, config, learner_id: int) -> "StepPacer":
-    """Learner `learner_id`'s pacer from `config.learners` (speed, step_cv, step_s), seeded per learner."""
-    lc = config.learners
-    return cls(config_lib.learner_speed(config, learner_id), float(lc.step_cv), float(lc.step_s),
-               seed=(int(config.seed) * 1_000_003 + learner_id) % 2**32)
+  def from_spec(cls, spec, learner_id: int) -> "StepPacer":
+    """Learner `learner_id`'s pacer from a resolved spec's `emulation` (speed, step_cv, step_s), seeded per
+    learner."""
+    em = spec.emulation
+    return cls(em.speeds[learner_id], float(em.step_cv), float(em.step_s),
+               seed=(int(spec.seed) * 1_000_003 + learner_id) % 2**32)
 
   def noise(self) -> float:
     """One draw of g: mean 1, coefficient of variation step_cv (exactly 1 without noise)."""

@@ -58,7 +58,7 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import multihost
 from diloco_jax.compute import plans
@@ -151,7 +151,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   """Train one learner against the syncer at `targets` (one address per shard) until `train.steps` or a
   signal; returns the summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
-  k = num_devices or config_lib.learner_devices(config, learner_id)
+  k = num_devices or config.learners.device_counts[learner_id]
   devices = jax.devices()
   if len(devices) < k:
     raise cli.UsageError(
@@ -282,7 +282,8 @@ def run_learner_process(argv) -> int:
       config.learners.device_counts = tuple(counts)
     else:
       config.learners.devices = fv.devices
-  k = config_lib.learner_devices(config, learner_id)
+  counts = config_lib.resolve(config).learners.device_counts  # sized before validating (resolve never raises)
+  k = counts[learner_id]
   try:
     spec = multihost.spec_from_flags(fv)
   except ValueError as e:
@@ -290,8 +291,7 @@ def run_learner_process(argv) -> int:
   if spec.enabled:  # before anything starts a jax backend (the plan check below does)
     multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
   # Validate as one learner of the run: the device total is checked in `run`, per process.
-  cli.validated(config, sum(config_lib.learner_devices(config, i) for i in range(config.learners.num)),
-                learners=True)
+  config = cli.validated(config, sum(counts), learners=True)  # the run's RunSpec from here on
   try:
     run(config, targets=targets, learner_id=learner_id, workdir=fv.workdir, token=client_flags.token(fv),
         run_id=fv["run-id"].value, num_devices=k, tls=client_flags.tls(fv), checkpoint_dir=fv["checkpoint-dir"].value)

@@ -79,14 +79,6 @@ def in_flight_limit(max_in_flight: int, num_fragments: int, sync_every: int, tau
   return -(-tau * num_fragments // sync_every) + 1
 
 
-def in_flight_limit_for(config) -> int:
-  """`in_flight_limit` of the run's `config.outer`, with its schedule's `min_spacing`: the one limit the
-  learners keep, the syncer sizes its pools for, and the simulators and sizers assume."""
-  o = config.outer
-  return in_flight_limit(int(o.max_in_flight), int(o.num_fragments),
-                         min_spacing(o.sync_schedule, int(o.sync_every), int(o.tau)), int(o.tau))
-
-
 def due_fragments(plan: fragments.FragmentPlan, step: int) -> list[int]:
   """Fragments due at inner step `step` (steps counted from 1; step 0 is the initial state, never due)."""
   if step <= 0:

@@ -23,7 +23,7 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.runs import export as export_lib
 from diloco_jax import metrics as metrics_lib
@@ -35,10 +35,11 @@ from diloco_jax.compute import trainer as trainer_lib
 def make_trainer(config, workdir: str | None) -> trainer_lib.MeshTrainer:
   """The baseline's trainer: one mesh of all (or `mesh.num_devices`) devices, the whole global batch, read
   in `data.baseline_order`."""
+  config = config_lib.resolve(config)  # the run's RunSpec passes as it is; a config (tests) resolves here
   devices = jax.devices()[: config.mesh.num_devices or None]
   batches = data_lib.baseline_iterator(
       config.data, num_learners=config.learners.num, seed=config.seed,
-      batches=[config_lib.learner_batch(config, k) for k in range(config.learners.num)])
+      batches=list(config.learners.batches))
   return trainer_lib.MeshTrainer(config, devices, workdir, batch_size=config.data.global_batch,
                                  data_iterator=batches)
 

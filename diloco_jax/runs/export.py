@@ -26,7 +26,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.data import tokenizer as tokenizer_lib
@@ -59,7 +59,7 @@ def export(out: str | pathlib.Path, config, params: Any, *, source: str, **meta)
     checkpointer.wait_until_finished()
   finally:
     checkpointer.close()
-  (out / CONFIG_FILE).write_text(config.to_json(indent=2, sort_keys=True) + "\n")
+  (out / CONFIG_FILE).write_text(config_lib.config_json(config))  # resolved, as the run's own config.json
   if tok.reference is not None:
     (out / TOKENIZER_FILE).write_bytes(tok.model_proto)
   info = {"format": FORMAT, "source": source, "params": model_lib.count_params(params),

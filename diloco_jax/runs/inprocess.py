@@ -30,7 +30,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import export as export_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
@@ -54,11 +54,11 @@ class InProcessRun:
   core through `InProcessTransport`: the `train` command, benchmarks and tests build on it.
 
   Args:
-    config: the run's config (validated).
+    config: the run's RunSpec (`cli.validated`), or a validated config (resolved here).
     workdir: where learners keep metrics and checkpoints (`learner_<i>/`) and the syncer its checkpoints
       (`syncer/syncer_checkpoints/`, the decision records `syncer/rounds.jsonl`); None: nothing on disk.
     learner_ids: which learners to create (default: all `learners.num`); each gets its devices
-      (`config.learner_devices`), carved in order from `devices` (default `jax.devices()`).
+      (the spec's `learners.device_counts`), carved in order from `devices` (default `jax.devices()`).
     tape: a `syncer.tape.Tape` the core records its steps on (`python -m diloco_jax replay`).
 
   `global_eval` evaluates the global model on `evaluator_devices`.
@@ -66,10 +66,11 @@ class InProcessRun:
 
   def __init__(self, config, workdir: str | pathlib.Path | None, *, learner_ids: Sequence[int] | None = None,
                devices: Sequence[jax.Device] | None = None, run_id: str = RUN_ID, tape=None):
+    config = config_lib.resolve(config)  # the run's RunSpec passes as it is; a config (tests, tools) resolves here
     self.config = config
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     ids = list(range(config.learners.num) if learner_ids is None else learner_ids)
-    slices = mesh_lib.carve_slices(devices or jax.devices(), [config_lib.learner_devices(config, i) for i in ids])
+    slices = mesh_lib.carve_slices(devices or jax.devices(), [config.learners.device_counts[i] for i in ids])
     self.core, self.fingerprint = build.build_core(config, run_id, tape=tape)
     self.global_eval = eval_loop.GlobalEval(config, evaluator_devices(config, [d for s in slices for d in s]))
     self._syncer_ckpt = None
@@ -121,10 +122,10 @@ class InProcessRun:
 
 
 def evaluator_devices(config, used: Sequence[jax.Device]) -> list[jax.Device]:
-  """Up to learner 0's count of devices (`config.learner_devices`: a mesh every eval batch is validated
+  """Up to learner 0's count of devices (`learners.device_counts[0]`: a mesh every eval batch is validated
   on) that no learner uses; if there are none, the host's CPU devices (on a CPU-only machine those are the
   learners' too: fake devices share the same cores anyway)."""
-  k = config_lib.learner_devices(config, 0)
+  k = config.learners.device_counts[0]
   spare = [d for d in jax.devices() if d not in set(used)]
   return spare[:k] or jax.devices("cpu")[:k]
 
@@ -148,6 +149,7 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
   """Train M learners with the syncer core in this process; returns the summary (also summary.json). With
   `export`, the global model goes to `<workdir>/model` (`python -m diloco_jax eval/sample --model`)."""
   t0 = time.perf_counter()
+  config = config_lib.resolve(config)  # the run's RunSpec passes as it is; a config (tests, tools) resolves here
   num = config.learners.num
   job = InProcessRun(config, workdir, tape=tape)
   learners, plan = job.learners, job.plan
@@ -161,12 +163,12 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
   evaluator.start()
   if not quiet:
     sizes = [plan.size(p) for p in range(plan.num_fragments)]
-    devices = [config_lib.learner_devices(config, i) for i in range(num)]
+    devices = list(config.learners.device_counts)
     print(f"train: {num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, {params:,} params, "
           f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
           f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps"
           + ("" if plan.sync_steps == () else f" on average ({config.outer.sync_schedule})") + ", "
-          f"codec {config.outer.codec}, quorum K={config.outer.min_quorum or num}"
+          f"codec {config.outer.codec}, quorum K={config.outer.min_quorum}"
           + (", resumed" if job.resumed else ""))
   total = num * config.train.steps
   bar = metrics_lib.progress(total, initial=sum(l.trainer.step for l in learners), desc="train") if not quiet else None
@@ -257,7 +259,8 @@ def train(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__)
   c = fv.config
   # The learners' slices and the evaluator's.
-  need = sum(config_lib.learner_devices(c, i) for i in range(c.learners.num)) + config_lib.learner_devices(c, 0)
+  counts = config_lib.resolve(c).learners.device_counts  # sized before validating (resolve never raises)
+  need = sum(counts) + counts[0]
   config = cli.validated(c, len(cli.devices(need, "train")), learners=True)
   run(config, fv.workdir, export=fv.export, tape=Tape(fv["record-tape"].value) if fv["record-tape"].value else None)
   return 0

@@ -58,7 +58,7 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.outer import merge as outer_lib
@@ -241,7 +241,7 @@ def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export
   if found is None:
     return None
   params, info = found
-  loss = eval_loop.GlobalEval(config, jax.devices()[:config_lib.learner_devices(config, 0)]).loss(params)
+  loss = eval_loop.GlobalEval(config, jax.devices()[:config_lib.resolve(config).learners.device_counts[0]]).loss(params)
   if export_dir is not None:
     export_lib.export(export_dir, config, params, source="local", run_id=run_id,
                       syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"],
@@ -254,7 +254,7 @@ class Launcher:
 
   def __init__(self, config, config_argv: list[str], workdir: pathlib.Path, run_id: str, *,
                stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1, syncer_shards: int = 1):
-    self.config, self.config_argv, self.workdir, self.run_id = config, config_argv, workdir, run_id
+    self.config, self.config_argv, self.workdir, self.run_id = config_lib.resolve(config), config_argv, workdir, run_id
     self.hosts_per_learner, self.syncer_shards = hosts_per_learner, syncer_shards
     self.stop_timeout_s, self.start_timeout_s = stop_timeout_s, start_timeout_s
     self.syncers: list[Child] = []  # one per shard
@@ -348,7 +348,7 @@ class Launcher:
     process, or `hosts_per_learner` processes joined by jax.distributed; `add`: append them to `learners`
     (a restart replaces the old ones itself)."""
     h = self.hosts_per_learner
-    devices = config_lib.learner_devices(self.config, i)
+    devices = self.config.learners.device_counts[i]
     ldir = self.workdir / f"learner_{i}"
     argv = self._command("learner", "--syncer", self.target, "--learner-id", str(i),
                          "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
@@ -370,7 +370,7 @@ class Launcher:
         "evaluator",
         self._command("evaluator", "--syncer", self.target, "--workdir", str(self.workdir / "global"),
                       "--token-file", str(self.workdir / "token")),
-        child_env(config_lib.learner_devices(self.config, 0)), self.workdir / "logs" / "evaluator.log")
+        child_env(self.config.learners.device_counts[0]), self.workdir / "logs" / "evaluator.log")
 
   def latest_global_eval(self) -> float | None:
     """The newest eval loss of the global model (the evaluator's records), if any."""
@@ -487,8 +487,8 @@ def launch(argv) -> int:
   if fv.learners:
     config.learners.num = fv.learners
     config_argv.append(f"--config.learners.num={fv.learners}")
-  counts = [config_lib.learner_devices(config, i) for i in range(config.learners.num)]
-  cli.validated(config, sum(counts), learners=True)
+  counts = list(config_lib.resolve(config).learners.device_counts)  # sized before validating (resolve never raises)
+  config = cli.validated(config, sum(counts), learners=True)  # the run's RunSpec from here on
   hosts = fv["hosts-per-learner"].value
   shards = fv["syncer-shards"].value
   if shards > config.outer.num_fragments:

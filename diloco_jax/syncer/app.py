@@ -30,7 +30,7 @@ import threading
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.protocol import run_token
 from diloco_jax.syncer import checkpoint

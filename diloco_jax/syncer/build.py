@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.compute import model
 from diloco_jax.outer import placement
@@ -22,10 +22,12 @@ def fragment_plan(config, params: Any) -> fragments.FragmentPlan:
 
 
 def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1, tape=None) -> tuple[SyncerCore, str]:
-  """A fresh SyncerCore for `config` and its fingerprint: the global fragments start from the learners'
-  initial params (the same values every learner creates from `config.seed`). With `shards` > 1, the core
-  of shard `shard`: it owns and holds only that shard's fragments (`placement.assign_shards` of the plan's
-  fragment sizes). `tape`: a `syncer.tape.Tape` the core records its steps on."""
+  """A fresh SyncerCore for `config` (the run's RunSpec; a config is resolved here) and its fingerprint:
+  the global fragments start from the learners' initial params (the same values every learner creates from
+  `config.seed`). With `shards` > 1, the core of shard `shard`: it owns and holds only that shard's
+  fragments (`placement.assign_shards` of the plan's fragment sizes). `tape`: a `syncer.tape.Tape` the core
+  records its steps on."""
+  config = config_lib.resolve(config)
   params = model.init_params_host(config)
   plan = fragment_plan(config, params)
   sizes = [plan.size(p) for p in range(plan.num_fragments)]
@@ -37,7 +39,7 @@ def build_core(config, run_id: str = "", shard: int = 0, shards: int = 1, tape=N
   initial = [fragments.gather(plan, params, p) if owned is None or p in owned else None
              for p in range(plan.num_fragments)]
   fingerprint = config_lib.fingerprint(config, run_id)
-  settings = SyncerSettings.from_config(config, plan, fingerprint, owned=owned)
+  settings = SyncerSettings.from_spec(config, plan, fingerprint, owned=owned)
   return SyncerCore(settings, initial, tape=tape), fingerprint
 
 

@@ -17,7 +17,7 @@ import sys
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import export as export_lib
 
 

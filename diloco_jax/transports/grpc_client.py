@@ -136,13 +136,13 @@ class GrpcTransport:
 
   @classmethod
   def from_config(cls, config, target: str, token: str, learner_id: int, **tls) -> "GrpcTransport":
-    """A client configured from `config.comms` (retries, chunks, WAN emulation) and `config.syncer`
-    (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
-    c = config.comms
+    """A client configured from `config.comms` (retries, chunks), `config.emulation` (WAN emulation) and
+    `config.syncer` (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
+    c, em = config.comms, config.emulation
     wan = None
-    cutoff = str(c.cutoff_file).replace("{learner}", str(learner_id))
-    if c.wan_gbps > 0 or c.wan_latency_ms > 0 or cutoff:
-      wan = wan_lib.WanSpec.from_gbps(float(c.wan_gbps), latency_ms=float(c.wan_latency_ms), cutoff_file=cutoff)
+    cutoff = str(em.cutoff_file).replace("{learner}", str(learner_id))
+    if em.wan_gbps > 0 or em.wan_latency_ms > 0 or cutoff:
+      wan = wan_lib.WanSpec.from_gbps(float(em.wan_gbps), latency_ms=float(em.wan_latency_ms), cutoff_file=cutoff)
     return cls(target, token, learner_id, wan=wan, chunk_bytes=int(c.chunk_kb) * 1024,
                max_message_bytes=int(config.syncer.max_message_mb) << 20,
                unreachable_deadline_s=float(c.unreachable_deadline_s), backoff_s=float(c.backoff_s),

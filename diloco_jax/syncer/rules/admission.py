@@ -130,7 +130,7 @@ def payload_check(settings, push: Push) -> PayloadCheck:
 
 def period_cap(settings) -> int:
   """The steps of one schedule period (H, or a non-periodic schedule's longest gap); 0: no cap."""
-  return settings.sync_every
+  return settings.period_steps
 
 
 def weight_inputs(settings, push: Push) -> tuple[int, int]:

@@ -28,25 +28,14 @@ from typing import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class QuorumPolicy:
-  """How a round closes. See the module docstring for the rule."""
+  """How a round closes. See the module docstring for the rule. No defaults and no checks: the syncer's
+  come from the run's resolved config (`SyncerSettings.from_spec`), the simulator's from its flags."""
 
-  min_quorum: int = 1  # K: contributions needed before a round may close
-  tau: int = 2  # overlap steps between a learner's snapshot and its adoption of the merged fragment
-  gamma: float = 0.5  # fraction of the slack spent waiting for stragglers (< 1)
-  min_grace_s: float = 0.0
-  max_grace_s: float = 30.0
-
-  def __post_init__(self):
-    if self.min_quorum < 1:
-      raise ValueError(f"outer.min_quorum must be >= 1, got {self.min_quorum}")
-    if self.tau < 0:
-      raise ValueError(f"outer.tau must be >= 0, got {self.tau}")
-    if not 0.0 <= self.gamma < 1.0:
-      raise ValueError(f"outer.grace_gamma must be in [0, 1), got {self.gamma}")
-    if not 0.0 <= self.min_grace_s <= self.max_grace_s:
-      raise ValueError(
-          f"outer.min_grace_s ({self.min_grace_s}) must be in [0, outer.max_grace_s ({self.max_grace_s})]"
-      )
+  min_quorum: int  # K (>= 1): contributions needed before a round may close
+  tau: int  # overlap steps between a learner's snapshot and its adoption of the merged fragment
+  gamma: float  # fraction of the slack spent waiting for stragglers (< 1)
+  min_grace_s: float
+  max_grace_s: float
 
 
 def estimate_step_time(reported_step_times: Sequence[float]) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco_jax.outer import schedule
+from diloco_jax import config as config_lib
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit
@@ -50,5 +50,5 @@ def workers_for(config) -> int:
 
 
 def learner_in_flight(config) -> int:
-  """A learner's comms workers: its fragments in flight (`outer.max_in_flight`, 0: the schedule's need)."""
-  return schedule.in_flight_limit_for(config)
+  """A learner's comms workers: its fragments in flight (`outer.max_in_flight` as the run resolves it)."""
+  return int(config_lib.resolve(config).outer.max_in_flight)

@@ -43,7 +43,7 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.outer import schedule
+from diloco_jax import config as config_lib
 from diloco_jax.runs import local as launch_local
 from diloco_jax.tools.chaos import history
 from diloco_jax.tools.chaos import job as chaos_job
@@ -194,7 +194,7 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
                 dp_ref: dict, repair_s: float) -> dict[str, sim_goodput.SimConfig]:
   """The simulator's configurations for both strategies, from what was measured (one slice per learner,
   the job-wide failure rate 1 / mtbf_s)."""
-  o, ckpt = config.outer, config.train.checkpoint_every
+  o, ckpt = config_lib.resolve(config).outer, config.train.checkpoint_every
   dp_step = dp_ref["window_s"] / dp_ref["steps_in_window"]
   dl_step = diloco_ref["step_time_s"]
   common = dict(chips=learners, slice_chips=1, mtbi_chip_s=mtbf_s * learners, repair_s=repair_s,
@@ -209,9 +209,9 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
       "diloco": sim_goodput.SimConfig(strategy="diloco", learners=learners, learner_recovery="restart",
                                       restart_s=learner_restart, rejoin_s=0.0, step_s=dl_step,
                                       inner_steps=o.sync_every, fragments=o.num_fragments, tau=o.tau,
-                                      min_quorum=o.min_quorum or learners, max_grace_s=o.max_grace_s,
+                                      min_quorum=o.min_quorum, max_grace_s=o.max_grace_s,
                                       grace_gamma=o.grace_gamma,
-                                      max_in_flight=schedule.in_flight_limit_for(config),
+                                      max_in_flight=o.max_in_flight,
                                       t_sync_s=0.005, snapshot_s=0.0, **common),
   }
 
@@ -223,7 +223,7 @@ def _flags(fv):
   flags.DEFINE_integer("learners", 6, "learners (data-parallel: the same devices in one job)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "seed of the failure times and targets", flag_values=fv)
   flags.DEFINE_float("mtbf-s", 15.0, "mean seconds between failures, whole job", flag_values=fv)
-  flags.DEFINE_float("min-step-s", 0.1, "train.min_step_s, if the config sets none: every learner (and the "
+  flags.DEFINE_float("min-step-s", 0.1, "emulation.min_step_s, if the config sets none: every learner (and the "
                      "data-parallel job) steps at this emulated accelerator speed, so that on a shared CPU a "
                      "failed learner does not speed up the others", flag_values=fv)
   flags.DEFINE_float("repair-s", 10.0, "seconds a failed learner (data-parallel: the job) stays out",
@@ -244,9 +244,9 @@ def bench_chaos(argv) -> int:
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")
   config_argv = chaos_job.chaos_config_argv(config, launch_local.config_args(argv), learners)
-  if not config.train.min_step_s and fv["min-step-s"].value > 0:
-    config.train.min_step_s = fv["min-step-s"].value
-    config_argv.append(f"--config.train.min_step_s={config.train.min_step_s}")
+  if not config.emulation.min_step_s and fv["min-step-s"].value > 0:
+    config.emulation.min_step_s = fv["min-step-s"].value
+    config_argv.append(f"--config.emulation.min_step_s={config.emulation.min_step_s}")
   devices = learners * config.learners.devices
   cli.validated(config, devices, learners=True)
   os.environ.update({k: v for k, v in launch_local.child_env(config.learners.devices).items()

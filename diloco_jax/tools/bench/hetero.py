@@ -42,8 +42,7 @@ from absl import flags
 
 from diloco_jax.runs import baseline
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
-from diloco_jax.outer import schedule as schedule_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.runs import local as launch_local
 from diloco_jax import metrics as metrics_lib
@@ -61,7 +60,7 @@ GOAL_GOODPUT, GOAL_GAIN_POINTS, GOAL_LOSS_RATIO, GOAL_SIM_POINTS, GOAL_RX_RATIO 
 
 def _flags(fv):
   flags.DEFINE_string("groups", "", "SPEED:LEARNERS[,...] (e.g. 0.847:2,1:2); default: half of learners.num at "
-                      f"{SLOW_SPEED:.3f} (18% slower), the rest at 1. Sets learners.speeds in this order.",
+                      f"{SLOW_SPEED:.3f} (18% slower), the rest at 1. Sets emulation.speeds in this order.",
                       flag_values=fv)
   flags.DEFINE_float("step-cv", 0.1, "Step-time noise (coefficient of variation of each step).", flag_values=fv)
   flags.DEFINE_float("step-s", 0.0, "A speed-1 learner's emulated step time; 0: twice the measured one.",
@@ -115,7 +114,7 @@ def baseline_config(config):
   collectives (fewer than 8 partitions reached the rendezvous)."""
   if config.mesh.num_devices:
     return config
-  return _with(config, {"mesh.num_devices": config_lib.learner_devices(config, 0)})
+  return _with(config, {"mesh.num_devices": config_lib.resolve(config).learners.device_counts[0]})
 
 
 def calibrate_step_s(config, steps: int = 40) -> float:
@@ -124,8 +123,8 @@ def calibrate_step_s(config, steps: int = 40) -> float:
   # A step time far below the real one: every step is paced (it waits for the device, so the step time
   # the learner measures is its computation, not its dispatch) but never stretched.
   c = _with(config, {"train.steps": steps, "train.warmup_steps": min(config.train.warmup_steps, steps),
-                     "train.eval_every": 10 * steps, "learners.speeds": (), "learners.step_cv": 0.0,
-                     "learners.step_s": 1e-9})
+                     "train.eval_every": 10 * steps, "emulation.speeds": (), "emulation.step_cv": 0.0,
+                     "emulation.step_s": 1e-9})
   job = inprocess.InProcessRun(c, None, run_id="bench-hetero-calibration")
   errors = []
 
@@ -187,15 +186,15 @@ def simulated(config, setting: str, speeds: tuple[float, ...], step_cv: float, s
               repeats: int) -> tuple[float, float]:
   """The simulator's (goodput, lockstep expectation) for this learner set and outer loop (failures
   negligible): the same quorum rule, grace window and learner blocking rules as the runtime."""
-  o = config.outer
+  o = config_lib.resolve(config).outer
   groups = tuple((v, speeds.count(v)) for v in dict.fromkeys(speeds))
   m = len(speeds)
   cfg = sim_goodput.SimConfig(
       chips=m, strategy="diloco", learners=m, slice_chips=1, mtbi_chip_s=1e9 * sim_goodput.YEAR_S,
       step_s=step_s, step_cv=step_cv, inner_steps=o.sync_every, fragments=o.num_fragments, snapshot_s=0.0,
-      t_sync_s=t_sync_s, min_quorum=o.min_quorum or m, tau=o.tau, grace_gamma=o.grace_gamma,
+      t_sync_s=t_sync_s, min_quorum=o.min_quorum, tau=o.tau, grace_gamma=o.grace_gamma,
       max_grace_s=o.max_grace_s,
-      max_in_flight=schedule_lib.in_flight_limit_for(config),
+      max_in_flight=o.max_in_flight,
       groups=groups, max_pushes=20_000)
   cfg = sim_goodput.with_quorum_setting(cfg, setting)
   return sim_goodput.simulate(cfg, repeats=repeats).goodput, sim_goodput.lockstep_goodput(cfg)
@@ -214,9 +213,9 @@ def run(config, *, settings, speeds, step_cv, step_s, workdir: pathlib.Path, pro
     log(f"  eval loss {dp['final_eval_loss']:.4f}, {dp['wall_s']:.0f}s")
   if step_s == 0:
     log("bench hetero: measuring the step time of all learners at once ...")
-    step_s = calibrate_step_s(_with(config, {"learners.speeds": tuple(speeds), "learners.step_cv": step_cv}))
+    step_s = calibrate_step_s(_with(config, {"emulation.speeds": tuple(speeds), "emulation.step_cv": step_cv}))
   log(f"bench hetero: speed-1 step {step_s * 1e3:.1f} ms")
-  fields = {"learners.speeds": tuple(speeds), "learners.step_cv": step_cv, "learners.step_s": step_s}
+  fields = {"emulation.speeds": tuple(speeds), "emulation.step_cv": step_cv, "emulation.step_s": step_s}
   rows = {}
   for setting in settings:
     setting_fields = {**fields, **setting_overrides(setting)}
@@ -303,7 +302,7 @@ def bench_hetero(argv) -> int:
     raise cli.UsageError(f"--step-cv must be in [0, 1), got {step_cv}")
   if fv["step-s"].value < 0:
     raise cli.UsageError(f"--step-s must be >= 0, got {fv['step-s'].value}")
-  probe = _with(config, {"learners.speeds": speeds, "learners.step_cv": step_cv})
+  probe = _with(config, {"emulation.speeds": speeds, "emulation.step_cv": step_cv})
   cli.validated(probe, len(jax.devices()), learners=True)
   if fv.baseline:
     cli.validated(baseline_config(config), len(jax.devices()), learners=False)

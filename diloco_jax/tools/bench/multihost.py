@@ -37,7 +37,7 @@ from absl import flags
 from jax.experimental import multihost_utils
 
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.runs import local as launch_local
 from diloco_jax.compute import multihost
 from diloco_jax.compute import trainer as trainer_lib

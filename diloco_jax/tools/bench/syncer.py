@@ -30,7 +30,9 @@ warm-up round.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -41,7 +43,7 @@ from absl import flags
 
 from diloco_jax.outer import chunked
 from diloco_jax import cli
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import merge as outer
 from diloco_jax.tools.bench import outer_reference
@@ -49,7 +51,6 @@ from diloco_jax.outer.codec import CODECS
 from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.settings import SyncerSettings
-from diloco_jax.syncer.rules.quorum import QuorumPolicy
 
 LR, MOMENTUM = 0.7, 0.9
 FINGERPRINT = "bench-syncer"
@@ -118,11 +119,15 @@ class Fused:
   """A real SyncerCore with a quorum of all `pushes` learners and no grace window."""
 
   def __init__(self, initial: np.ndarray, up: str, down: str, block: int, pushes: int, threads: int):
-    settings = SyncerSettings(num_fragments=1, sizes=(initial.size,), codec=up, downlink_codec=down, block=block,
-                              outer_lr=LR, outer_momentum=MOMENTUM, fingerprint=FINGERPRINT,
-                              policy=QuorumPolicy(min_quorum=pushes, max_grace_s=0.0), lease_s=3600.0,
-                              merge_threads=threads, num_learners=pushes,
-                              max_norm_ratio=float(config_lib.base_config().outer.max_norm_ratio))
+    # The shipped defaults (`base_config()` resolved), with what this bench has always measured: one fragment,
+    # a quorum of all pushes and no grace window, plain full rounds, and no stall, claim or history bounds
+    # (its pushers report no steps, and only the latest reference is kept).
+    base = SyncerSettings.for_fragments(config_lib.resolve(config_lib.base_config()), (initial.size,), 0, FINGERPRINT)
+    settings = dataclasses.replace(
+        base, codec=up, downlink_codec=down, block=block, outer_lr=LR, outer_momentum=MOMENTUM,
+        policy=dataclasses.replace(base.policy, min_quorum=pushes, max_grace_s=0.0), lease_s=3600.0,
+        merge_threads=threads, num_learners=pushes, scale_partial_rounds=False, stall_s=math.inf, tokens_per_step=0,
+        period_steps=0, max_push_steps=0, downlink_history=1)
     self.core = SyncerCore(settings, [initial])
     for i in range(pushes):
       self.core.join(i, FINGERPRINT)

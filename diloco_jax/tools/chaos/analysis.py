@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.tools.chaos import history
 from diloco_jax.tools.chaos.schedule import KINDS
 
@@ -146,7 +146,7 @@ def _beside_reference(report: dict, reference: dict, eval_loss: float | None) ->
 def stall_bound_s(config, report: dict) -> float:
   """What a stall beyond the undisturbed cadence may cost: the stall bound (outer.max_grace_s by default)
   plus one step."""
-  return config_lib.stall_bound_s(config) + report["step_time_s"]
+  return config_lib.resolve(config).outer.stall_s + report["step_time_s"]
 
 
 def verdict(config, report: dict) -> dict:

@@ -45,7 +45,7 @@ class _Job:
     cut_dir = workdir / "cutoff"
     cut_dir.mkdir(parents=True, exist_ok=True)
     self.cut_pattern = str(cut_dir / "learner_{learner}")
-    argv = config_argv + [f"--config.comms.cutoff_file={self.cut_pattern}"]
+    argv = config_argv + [f"--config.emulation.cutoff_file={self.cut_pattern}"]
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     launch_local.write_token(workdir / "token")
     self.launcher = launch_local.Launcher(config, argv, workdir, run_id, stop_timeout_s=60.0,

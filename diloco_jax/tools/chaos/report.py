@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 from typing import Sequence
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax import config as config_lib
 from diloco_jax.tools.chaos.analysis import verdict
 from diloco_jax.tools.chaos.schedule import KINDS
 
@@ -22,7 +22,7 @@ def format_report(config, report: dict) -> str:
            f"  longest time without any version advancing: {report['longest_stall_s']:.2f} s outside syncer "
            f"outages ({report['longest_stall_raw_s']:.2f} s with them)"
            + (f"; undisturbed {report['reference']['longest_stall_s']:.2f} s, excess "
-              f"{report['excess_stall_s']:.2f} s (bound: stall {config_lib.stall_bound_s(config):g} s + one step "
+              f"{report['excess_stall_s']:.2f} s (bound: stall {config_lib.resolve(config).outer.stall_s:g} s + one step "
               f"{report['step_time_s']:.3f} s)" if "reference" in report else "")]
   for n, o in enumerate(report["syncer_restarts"]):
     back = o["back_to_merging_s"]

@@ -123,6 +123,9 @@ class SimConfig:
         (self.snapshot_s >= 0, f"--snapshot-s must be >= 0, got {self.snapshot_s}"),
         (self.t_sync_s >= 0, f"--t-sync-s must be >= 0, got {self.t_sync_s}"),
         (self.min_quorum >= 1, f"--min-quorum (K) must be >= 1, got {self.min_quorum}"),
+        (self.tau >= 0, f"--tau (outer.tau) must be >= 0, got {self.tau}"),
+        (0 <= self.grace_gamma < 1, f"--grace-gamma (outer.grace_gamma) must be in [0, 1), got {self.grace_gamma}"),
+        (self.max_grace_s >= 0, f"--max-grace-s (outer.max_grace_s) must be >= 0, got {self.max_grace_s}"),
         (self.learner_recovery in ("elastic", "restart"),
          f"--learner-recovery must be 'elastic' or 'restart', got {self.learner_recovery!r}"),
         (self.rejoin_s >= 0, f"--rejoin-s must be >= 0, got {self.rejoin_s}"),
@@ -147,13 +150,11 @@ class SimConfig:
                          f"{self.learners}")
       if self.speed_spread:
         raise ValueError("--groups and --speed-spread are two ways to set learner speeds: give one")
-    # Builds the policy, which validates tau / gamma / grace with the syncer's own messages.
-    self.quorum_policy()
     return self
 
   def quorum_policy(self) -> syncer_policy.QuorumPolicy:
     return syncer_policy.QuorumPolicy(
-        min_quorum=self.min_quorum, tau=self.tau, gamma=self.grace_gamma, max_grace_s=self.max_grace_s
+        min_quorum=self.min_quorum, tau=self.tau, gamma=self.grace_gamma, min_grace_s=0.0, max_grace_s=self.max_grace_s
     )
 
   @property

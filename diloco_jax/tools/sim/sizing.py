@@ -121,8 +121,8 @@ def downlink_history(config, learners: int) -> int:
 
 
 def in_flight(config) -> int:
-  """Fragments a learner of `config` may have pushed and not yet adopted (`schedule.in_flight_limit_for`)."""
-  return schedule.in_flight_limit_for(config)
+  """Fragments a learner of `config` may have pushed and not yet adopted (`outer.max_in_flight` resolved)."""
+  return config_lib.resolve(config).outer.max_in_flight
 
 
 def syncer_disk_bytes(config, sizes) -> int:
@@ -218,7 +218,8 @@ def sim_sizing(argv) -> int:
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   if fv.learners < 0 or fv["step-s"].value < 0:
     raise cli.UsageError("--learners and --step-s must be >= 0")
-  config = cli.validated(fv.config, None, learners=True, data=False)  # sizing reads no data (create.sh runs it here)
+  config = fv.config  # as configured, not resolved: sizing derives its figures for --learners learners
+  cli.validated(config, None, learners=True, data=False)  # sizing reads no data (create.sh runs it here)
   s = sizing(config, fv.learners or None, fv["step-s"].value)
   print(json.dumps(s, indent=2) if fv.json else format_sizing(s, config))
   return 0

@@ -43,7 +43,7 @@ def measured_merge_rate(downlink_codec: str) -> float:
 
 def merge_threads(config_threads: int, cores: int) -> int:
   """The threads of a syncer's merges on a host of `cores` cores: `syncer.merge_threads`, or with 0 the
-  cores up to `chunked.DEFAULT_THREAD_LIMIT` (what `SyncerSettings.from_config` takes), never more than
+  cores up to `chunked.DEFAULT_THREAD_LIMIT` (what `config.resolve` takes), never more than
   the cores."""
   return min(config_threads or chunked.DEFAULT_THREAD_LIMIT, cores)
 

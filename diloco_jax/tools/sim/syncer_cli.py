@@ -65,7 +65,8 @@ def load_config(path: str):
     config = module.get_config()
   except Exception as e:  # a config file is user code: any failure is a bad --configs entry
     raise cli.UsageError(f"--configs: {path} did not give a config ({type(e).__name__}: {e})") from None
-  return cli.validated(config, None, learners=True, data=False)
+  cli.validated(config, None, learners=True, data=False)
+  return config  # as configured, not resolved: the table derives its rows for other hosts and learner counts
 
 
 def setup_of(config) -> syncer.Setup:
