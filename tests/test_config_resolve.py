@@ -10,7 +10,6 @@ import helpers
 from configs import small_cpu
 from diloco_jax import config as config_lib
 from diloco_jax.outer import chunked
-from diloco_jax.outer import fragments
 from diloco_jax.syncer.settings import SyncerSettings
 
 DOC_TIERS = {"## User fields": "user", "## Expert fields": "expert", "## Operations fields": "operations",

@@ -194,7 +194,6 @@ def test_every_module_has_a_layer():
 
 
 PENDING_LAYERS = {
-    "diloco_jax.config": "config/schema.py imports compute/mesh.py for a pure helper (issue 20 item 4 moves it)",
 }
 
 
@@ -280,8 +279,6 @@ def _reaches_no_jax(package: str) -> None:
   subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, check=True, timeout=120)
 
 
-@pytest.mark.xfail(strict=True, reason="config/schema.py imports compute/mesh.py (jax) for a pure helper: "
-                   "pending the one resolved config (issue 20 item 4)")
 def test_config_reaches_no_jax():
   _reaches_no_jax("diloco_jax.config")
 

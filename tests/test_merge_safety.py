@@ -13,7 +13,6 @@ import helpers
 from diloco_jax import config as config_lib
 from diloco_jax.outer import fragments
 from diloco_jax.protocol.reasons import Rejected
-from diloco_jax.syncer import core as core_lib
 from diloco_jax.syncer import views
 from diloco_jax.syncer.rules import admission
 from diloco_jax.syncer.rules import rounds as rounds_rules

@@ -27,7 +27,6 @@ in `--workdir/<setting>` (the syncer's per-round decisions in `syncer/rounds.jso
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import pathlib

@@ -171,7 +171,7 @@ def run(size: int = 1 << 24, pushes: int = 4, up: str = "int4", down: str = "fp3
   bound = absorbed / (touched / (2 * rate))
   log(f"copy {rate / 1e9:.1f} GB/s; a round touches {touched / 1e6:.0f} MB: bound {bound / 1e6:,.0f}M params/s")
   paths = [("unfused", 1, lambda: Unfused(initial, up, down, block))]
-  paths += [(f"fused", t, lambda t=t: Fused(initial, up, down, block, pushes, t)) for t in threads]
+  paths += [("fused", t, lambda t=t: Fused(initial, up, down, block, pushes, t)) for t in threads]
   rows = []
   for name, t, make in paths:
     path = make()

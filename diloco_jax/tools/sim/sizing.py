@@ -30,7 +30,7 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import fragments
-from diloco_jax.outer import schedule
+from diloco_jax import config as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model
 
