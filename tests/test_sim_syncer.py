@@ -152,7 +152,7 @@ def test_cli_json_and_table(capsys):
   assert r["at_shards"]["per_shard"] == max(x["memory"]["total"] for x in syncer.shard_layout(shipped, 4, 2, 0.5))
   assert r["merge_rate_per_core"] == syncer.measured_merge_rate("int4")
   rc, io = _run(["--configs", f"{TINY},{SMALL}", "--shards", "3"], capsys)
-  assert rc == 0 and "not sharded yet" in io.out and "n/a (> P)" in io.out
+  assert rc == 0 and "a sharded syncer (`syncer --shard I --shards S`)" in io.out and "n/a (> P)" in io.out
   assert [line.split()[0] for line in io.out.splitlines()[2:8]] == ["tiny_cpu"] * 3 + ["small_cpu"] * 3
 
 
