@@ -107,9 +107,10 @@ def _chunk(step_fn, trainer, steps: int) -> float:
 
 
 def _group_counters(learner) -> tuple:
-  if not isinstance(learner, group_lib.GroupLearner):
+  group = learner.strategy
+  if not isinstance(group, group_lib.ProcessGroup):
     return (0, 0.0, 0, 0.0)
-  return (learner.decisions, learner.decision_s, learner.broadcasts, learner.broadcast_s)
+  return (group.decisions, group.decision_s, group.broadcasts, group.broadcast_s)
 
 
 def _worker(fv, config) -> int:
@@ -127,8 +128,8 @@ def _worker(fv, config) -> int:
   if jax.process_count() > 1:
     channels = {"host channel": multihost.HostChannel(jax.process_index(), jax.process_count()),
                 "collective": CollectiveChannel(jax.process_index(), jax.process_count())}
-    learner = group_lib.GroupLearner(config, 0, devices, transport, fingerprint, None,
-                                     channel=channels["host channel"])
+    learner = loop_lib.Learner(config, 0, devices, transport, fingerprint, None,
+                               strategy=group_lib.ProcessGroup(channels["host channel"]))
   else:
     learner = loop_lib.Learner(config, 0, devices, transport, fingerprint, None)
   bare = trainer_lib.MeshTrainer(config, devices, None, batch_size=config.data.global_batch)
@@ -137,7 +138,7 @@ def _worker(fv, config) -> int:
   learner.join()
   _chunk(bare.train_step, bare, 3)  # warm up: compile the steps, outer-gradient and adoption functions
   for channel in channels.values():
-    learner.channel = channel
+    learner.strategy.channel = channel
     _chunk(learner.train_step, learner.trainer, h + 2)
   bare_s = []
   learner_s = {name: [] for name in channels}
@@ -145,7 +146,7 @@ def _worker(fv, config) -> int:
   for _ in range(fv.chunks):  # the sides alternate, so that a drift of the machine's speed hits all alike
     bare_s.append(_chunk(bare.train_step, bare, steps))
     for name, channel in channels.items():
-      learner.channel = channel
+      learner.strategy.channel = channel
       before = _group_counters(learner)
       learner_s[name].append(_chunk(learner.train_step, learner.trainer, steps))
       per_step[name].append([(b - a) / steps for a, b in zip(before, _group_counters(learner))])
