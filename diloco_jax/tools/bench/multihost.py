@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.compute import multihost
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import group as group_lib
@@ -169,7 +169,7 @@ def _worker(fv, config) -> int:
 
 def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str, processes: int,
                        devices: int, extra: list[str]) -> list[dict]:
-  port = launch_local.free_port()
+  port = run_children.free_port()
   procs = []
   for p in range(processes):
     out = out_dir / f"{name}_p{p}.json"
@@ -177,7 +177,7 @@ def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str,
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
             "--process-id", str(p)]
     log = open(out_dir / f"{name}_p{p}.log", "wb")
-    procs.append((subprocess.Popen(argv, env=launch_local.child_env(devices // processes), stdout=log,
+    procs.append((subprocess.Popen(argv, env=run_children.child_env(devices // processes), stdout=log,
                                    stderr=subprocess.STDOUT), out, log))
   results = []
   for proc, out, log in procs:
@@ -215,7 +215,7 @@ def bench_multihost(argv) -> int:
   with tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp:
     for processes in (1, n):
       print(f"  running {processes} process(es) ...", file=sys.stderr, flush=True)
-      results = _run_configuration(launch_local.config_args(argv), pathlib.Path(tmp), f"p{processes}", processes,
+      results = _run_configuration(run_children.config_args(argv), pathlib.Path(tmp), f"p{processes}", processes,
                                    fv.devices, extra)
       for side in results[0]["sides"]:
         label = f"1 x {fv.devices}" if processes == 1 else f"{processes} x {fv.devices // processes}, {side}"
