@@ -116,7 +116,7 @@ def _plan_fragment(p: int, versions: Versions, index: int, sync: SettledSync | N
   if sync is not None:
     result = sync.result
     if not result.abandoned and result.epoch == epoch:  # merged by the current syncer itself
-      return FragmentRecovery(p, Action.RESULT, index, result.version, result.epoch, kind=result.kind,
+      return FragmentRecovery(p, Action.RESULT, index, result.version, result.epoch, kind=Kind(result.kind),
                               base_version=result.base_version, late=bool(result.late))
     receipt = result.receipt
     if receipt is not None and protocol.merged_for_good(history, receipt.epoch, receipt.round, p):
