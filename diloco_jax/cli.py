@@ -149,13 +149,15 @@ EXIT_FAILED = 1
 
 class StopSignals:
   """SIGTERM and SIGINT ask the process to stop: the first sets `stopped` (polled between steps, or waited
-  on with `wait`) and runs `on_first`; with `exit_on_second`, a second one exits at once with
-  `EXIT_FAILED` (for a process whose orderly stop can hang on a dead peer). The previous handlers come back
-  when the `with` block ends. Every process command handles its signals with this one class."""
+  on with `wait`), says `doing` on stderr and runs `on_first`; with `exit_on_second`, a second one says
+  `exiting` and exits at once with `EXIT_FAILED` (for a process whose orderly stop can hang on a dead peer).
+  `doing` or `exiting` None: nothing said. `received` lists the signals so far. The previous handlers come
+  back when the `with` block ends. Every process command handles its signals with this one class."""
 
-  def __init__(self, name: str, doing: str = "stopping", on_first: Callable[[], None] = lambda: None,
-               exit_on_second: bool = True):
+  def __init__(self, name: str, doing: str | None = "stopping", on_first: Callable[[], None] = lambda: None,
+               exit_on_second: bool = True, exiting: str | None = "exiting at once"):
     self.name, self.doing, self._on_first, self._exit_on_second = name, doing, on_first, exit_on_second
+    self.exiting = exiting
     self.received: list[int] = []
     self.stopped = threading.Event()
     self._previous: dict = {}
@@ -169,10 +171,12 @@ class StopSignals:
     del frame
     self.received.append(signum)
     if len(self.received) > 1 and self._exit_on_second:
-      print(f"{self.name}: second signal {signum}: exiting at once", file=sys.stderr, flush=True)
+      if self.exiting is not None:
+        print(f"{self.name}: second signal {signum}: {self.exiting}", file=sys.stderr, flush=True)
       os._exit(EXIT_FAILED)
     if len(self.received) == 1:
-      print(f"{self.name}: signal {signum}: {self.doing}", file=sys.stderr, flush=True)
+      if self.doing is not None:
+        print(f"{self.name}: signal {signum}: {self.doing}", file=sys.stderr, flush=True)
       self._on_first()
     self.stopped.set()
 

@@ -20,7 +20,8 @@ import pytest
 
 from diloco_jax import config as config_lib
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
+from diloco_jax.runs import launcher as run_launcher
 from diloco_jax.data import shards
 from diloco_jax.data import tokenizer
 from diloco_jax.protocol.messages import Push
@@ -126,7 +127,7 @@ def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
   pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-free_port = launch_local.free_port
+free_port = run_children.free_port
 
 
 # ---- real processes --------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class ProcessRun:
   def spawn(self, name: str, argv: list[str], devices: int = 1) -> subprocess.Popen:
     log = open(self.tmp / "logs" / f"{name}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", *argv], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env=launch_local.child_env(devices))
+                            stderr=subprocess.STDOUT, env=run_children.child_env(devices))
     log.close()
     self.procs[name] = proc
     return proc
@@ -227,7 +228,7 @@ class ProcessRun:
     return json.loads((self.tmp / f"learner_{i}" / "summary.json").read_text())
 
   def step(self, i: int) -> int:
-    return launch_local.learner_progress(self.tmp / f"learner_{i}")["step"]
+    return run_launcher.learner_progress(self.tmp / f"learner_{i}")["step"]
 
   def wait_ok(self, name: str, timeout: float = PROCESS_TIMEOUT_S) -> None:
     try:

@@ -11,7 +11,7 @@ import helpers
 from diloco_jax.tools.chaos import history as chaos_history
 from diloco_jax.tools.chaos import job as chaos_job
 from diloco_jax.tools.chaos import schedule as chaos_schedule
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.tools.bench import chaos as bench_chaos
 from diloco_jax.tools.sim import goodput as sim_goodput
 
@@ -116,7 +116,7 @@ def test_chaos_command_runs_a_schedule_of_every_fault(tmp_path):
   argv = [sys.executable, "-m", "diloco_jax", "chaos", *helpers.shipped_overrides(steps=1500, learners=3),
           "--learners", "3", "--schedule", str(schedule), "--workdir", str(workdir),
           "--config.emulation.min_step_s=0.05", "--eval-batches", "3"]
-  proc = subprocess.run(argv, cwd=helpers.REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=helpers.REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=1800)
   report = json.loads((workdir / "report.json").read_text())
   assert report["finished"] and report["versions_monotone"], proc.stderr[-4000:]

@@ -21,7 +21,7 @@ from diloco_jax.tools import evaluate
 from diloco_jax.runs import export
 from diloco_jax.compute import inner
 from diloco_jax.runs import inprocess
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.compute import model as model_lib
 from diloco_jax.tools import sample
 
@@ -90,14 +90,14 @@ def test_export_command_exports_the_syncer_checkpoint(diloco_run, tmp_path):
           "--run-id", inprocess.RUN_ID,
           "--out", str(out)]
   proc = subprocess.run(argv, cwd=helpers.REPO, capture_output=True, text=True, timeout=240,
-                        env=launch_local.child_env(1))
+                        env=run_children.child_env(1))
   assert proc.returncode == 0, proc.stderr[-3000:]
   ours, theirs = export.load(out), export.load(workdir / "model")
   assert ours.meta["source"] == "syncer checkpoint" and ours.meta["run_id"] == inprocess.RUN_ID
   assert_same_params(ours.params, theirs.params)
   # The wrong run id: refused, naming what to fix; nothing written.
   proc = subprocess.run(argv[:-4] + ["--run-id", "other", "--out", str(tmp_path / "never")], cwd=helpers.REPO,
-                        capture_output=True, text=True, timeout=240, env=launch_local.child_env(1))
+                        capture_output=True, text=True, timeout=240, env=run_children.child_env(1))
   assert proc.returncode == 2 and "--run-id" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
   assert not (tmp_path / "never").exists()
 
@@ -147,7 +147,7 @@ def test_eval_command_compares_two_models_on_one_text(diloco_run, baseline_run, 
   argv = [sys.executable, "-m", "diloco_jax", "eval", *[f"--model={m}" for m in models], "--data", str(path),
           "--json"]
   proc = subprocess.run(argv, cwd=helpers.REPO, capture_output=True, text=True, timeout=240,
-                        env=launch_local.child_env(2))
+                        env=run_children.child_env(2))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   assert [r["model"] for r in rows] == [str(m) for m in models]
@@ -203,7 +203,7 @@ def test_sample_command_continues_the_prompt(baseline_run):
   argv = [sys.executable, "-m", "diloco_jax", "sample", "--model", str(baseline_run[1] / "model"), "--prompt",
           "def ", "--max-tokens", "20"]
   proc = subprocess.run(argv, cwd=helpers.REPO, capture_output=True, text=True, timeout=240,
-                        env=launch_local.child_env(1))
+                        env=run_children.child_env(1))
   assert proc.returncode == 0, proc.stderr[-3000:]
   model = export.load(baseline_run[1] / "model")
   prompt = np.concatenate([[model.tokenizer.eos_id], model.tokenizer.encode("def ")])
@@ -221,7 +221,7 @@ def test_local_exports_the_syncer_final_checkpoint_on_tokenized_data(token_data,
   argv = [sys.executable, "-m", "diloco_jax", "local", *helpers.tiny_overrides(steps=10),
           *[f"--config.{k}={v}" for k, v in token_data.overrides().items()], "--learners", "2",
           "--workdir", str(workdir)]
-  proc = subprocess.run(argv, cwd=helpers.REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=helpers.REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=helpers.PROCESS_TIMEOUT_S + 60)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())

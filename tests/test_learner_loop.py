@@ -10,7 +10,7 @@ import pytest
 
 from diloco_jax.runs import inprocess
 from diloco_jax.compute import trainer as trainer_lib
-from diloco_jax.learner import loop as loop_lib
+from diloco_jax.learner import recovery as recovery_lib
 
 
 def _identity_outer_loop(c, tau, keep_local_progress):
@@ -131,7 +131,7 @@ def test_a_learner_back_from_an_absence_catches_up_on_every_fragment(tiny_config
       away.train_step()
       steady.train_step()
     assert away.stats.catch_ups == steady.stats.catch_ups == 0  # stepping alike: usual jumps only
-    for _ in range(4 * loop_lib.CATCH_UP_PERIODS * H):  # learner 0 is away for many of its periods
+    for _ in range(4 * recovery_lib.CATCH_UP_PERIODS * H):  # learner 0 is away for many of its periods
       steady.train_step()
     syncs = away.stats.syncs
     for _ in range(4 * H):  # back: the next fragment it syncs comes back far ahead of its base

@@ -22,7 +22,7 @@ import helpers
 from diloco_jax.tools.chaos import history as chaos_history
 from diloco_jax.compute import checkpoint as checkpoint_lib
 from diloco_jax import cli
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.compute import model as model_lib
 from diloco_jax.compute import multihost
 from diloco_jax.learner import loop as loop_lib
@@ -39,7 +39,7 @@ def _worker_results(tmp_path) -> list[dict]:
   port = helpers.free_port()
   procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "multihost_worker.py"), str(p), str(port),
                              str(tmp_path)], cwd=REPO, stdout=open(tmp_path / f"worker{p}.log", "wb"),
-                            stderr=subprocess.STDOUT, env=launch_local.child_env(2))
+                            stderr=subprocess.STDOUT, env=run_children.child_env(2))
            for p in range(2)]
   try:
     for p, proc in enumerate(procs):
@@ -295,7 +295,7 @@ def test_launcher_with_hosts_per_learner(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", *_overrides(steps=12, **{"learners.devices": 2}),
           "--learners", "2", "--hosts-per-learner", "2", "--workdir", str(workdir)]
-  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=TIMEOUT_S + 120)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())

@@ -16,7 +16,8 @@ import pytest
 
 import helpers
 from diloco_jax.tools.chaos import history as chaos_history
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
+from diloco_jax.runs import launcher as run_launcher
 
 REPO = helpers.REPO
 TIMEOUT_S = helpers.PROCESS_TIMEOUT_S
@@ -273,7 +274,7 @@ def test_launcher_runs_and_merges_summaries(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=15), "--learners", "2",
           "--workdir", str(workdir)]
-  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=TIMEOUT_S + 60)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())
@@ -301,7 +302,7 @@ def test_launcher_without_eval_starts_no_evaluator(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=5), "--learners", "2",
           "--workdir", str(workdir), "--eval=false"]
-  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=TIMEOUT_S + 60)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())
@@ -314,12 +315,12 @@ def test_launcher_sigint_stops_every_child(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", *overrides(steps=2000), "--learners", "2",
           "--workdir", str(workdir), "--stop-timeout-s", "60"]
-  proc = subprocess.Popen(argv, cwd=REPO, env=launch_local.child_env(1), stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(argv, cwd=REPO, env=run_children.child_env(1), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   children = []
   try:
     # Wait until both learners train (the syncer and two learner processes are up).
-    wait_for(lambda: all(launch_local.learner_progress(workdir / f"learner_{i}")["step"] >= 2 for i in range(2))
+    wait_for(lambda: all(run_launcher.learner_progress(workdir / f"learner_{i}")["step"] >= 2 for i in range(2))
              or proc.poll() is not None, "both learners to train")
     assert proc.poll() is None
     children = _children(proc.pid)
@@ -353,7 +354,7 @@ def test_shipped_tiny_run_over_grpc_refuses_nothing(tmp_path):
   workdir = tmp_path / "run"
   argv = [sys.executable, "-m", "diloco_jax", "local", "--config", "configs/tiny_cpu.py", "--learners", "2",
           "--workdir", str(workdir), "--eval=false"]
-  proc = subprocess.run(argv, cwd=REPO, env=launch_local.child_env(1), capture_output=True, text=True,
+  proc = subprocess.run(argv, cwd=REPO, env=run_children.child_env(1), capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())

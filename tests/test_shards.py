@@ -14,7 +14,7 @@ import pytest
 import helpers
 from configs import tiny_cpu
 from diloco_jax.runs import export
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.outer import placement
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.protocol.reasons import Rejected
@@ -234,7 +234,7 @@ def _versions(run, shard: int) -> int:
 
 def test_kill_9_of_one_shard_leaves_the_other_merging_and_it_recovers(tmp_path):
   run = helpers.ProcessRun(tmp_path, helpers.tiny_overrides(steps=60))
-  base = launch_local.free_ports(2)
+  base = run_children.free_ports(2)
   try:
     shard0 = run.syncer(f"127.0.0.1:{base}", shard=0, shards=2)
     run.syncer(f"127.0.0.1:{base + 1}", shard=1, shards=2)

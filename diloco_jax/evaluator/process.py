@@ -23,8 +23,6 @@ record and the number of evals).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 import threading
 
@@ -42,7 +40,7 @@ from diloco_jax.transports import sharded
 from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 
-EXIT_FAILED = 1
+EXIT_FAILED = cli.EXIT_FAILED
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -115,21 +113,12 @@ def run_evaluator_process(argv) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   config = cli.validated(fv.config, None, learners=True)
   targets, token = client_flags.targets(fv), client_flags.token(fv)
-  stop = threading.Event()
-
-  def on_signal(signum, frame):
-    del frame
-    if stop.is_set():
-      os._exit(EXIT_FAILED)  # a second signal: the final eval may be stuck on a dead syncer
-    print(f"evaluator: signal {signum}: a last eval, then exit", file=sys.stderr, flush=True)
-    stop.set()
-
-  signal.signal(signal.SIGTERM, on_signal)
-  signal.signal(signal.SIGINT, on_signal)
-  try:
-    run(config, targets=targets, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
-        tls=client_flags.tls(fv), poll_s=fv["poll-s"].value, stop=stop)
-  except (SyncerUnreachable, AuthError, Rejected) as e:
-    print(f"evaluator: {e}", file=sys.stderr, flush=True)
-    return EXIT_FAILED
+  # A second signal exits at once: the final eval may be stuck on a dead syncer.
+  with cli.StopSignals("evaluator", "a last eval, then exit", exiting=None) as signals:
+    try:
+      run(config, targets=targets, workdir=fv.workdir, token=token, run_id=fv["run-id"].value,
+          tls=client_flags.tls(fv), poll_s=fv["poll-s"].value, stop=signals.stopped)
+    except (SyncerUnreachable, AuthError, Rejected) as e:
+      print(f"evaluator: {e}", file=sys.stderr, flush=True)
+      return EXIT_FAILED
   return 0

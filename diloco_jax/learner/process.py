@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import signal
 import sys
 import threading
@@ -65,43 +64,13 @@ from diloco_jax.compute import plans
 from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.learner import summary as summary_lib
 from diloco_jax.transports import client_flags
 from diloco_jax.transports import sharded
 from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 
-EXIT_FAILED = 1
-
-
-class StopSignals:
-  """SIGTERM/SIGINT set `stop`; the training loop polls it between steps. `on_first()` runs at the first
-  signal (it arms the shutdown watchdog). A second signal exits at once."""
-
-  def __init__(self, on_first: Callable[[], None] = lambda: None):
-    self.received: list[int] = []
-    self._previous = {}
-    self._on_first = on_first
-
-  def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received.append(signum)
-    if len(self.received) > 1:
-      print(f"learner: second signal {signum}: exiting without a final checkpoint", file=sys.stderr, flush=True)
-      os._exit(EXIT_FAILED)
-    print(f"learner: signal {signum}: stopping after this step", file=sys.stderr, flush=True)
-    self._on_first()
-
-  def __call__(self) -> bool:
-    return bool(self.received)
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
+EXIT_FAILED = cli.EXIT_FAILED
 
 
 class ShutdownWatchdog:
@@ -152,12 +121,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   signal; returns the summary (also written to `<workdir>/summary.json`)."""
   t0 = time.perf_counter()
   k = num_devices or config.learners.device_counts[learner_id]
-  devices = jax.devices()
-  if len(devices) < k:
-    raise cli.UsageError(
-        f"learner {learner_id} needs {k} devices (config.learners.devices / --devices) but this process sees "
-        f"{len(devices)} {devices[0].platform} device(s); for fake CPU devices start it with "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
+  devices = _devices(learner_id, k)
   fingerprint = config_lib.fingerprint(config, run_id)
   watch, channel, exit_hooks = _start_group(config, k, devices)
   leader = jax.process_index() == 0  # process 0 of a multi-host learner, or a one-process learner
@@ -175,10 +139,9 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   if leader:
     config_lib.save_resolved(config, workdir, run_id)
     metrics_log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.LEARNER_TAGS)
-  kwargs = dict(metrics_log=metrics_log, checkpoint_dir=checkpoint_dir)
-  learner = (group_lib.GroupLearner(config, learner_id, devices[:k], transport, fingerprint, workdir,
-                                    channel=channel, **kwargs) if channel is not None else
-             loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir, **kwargs))
+  learner = loop_lib.Learner(config, learner_id, devices[:k], transport, fingerprint, workdir,
+                             metrics_log=metrics_log, checkpoint_dir=checkpoint_dir,
+                             strategy=None if channel is None else group_lib.ProcessGroup(channel))
   built.append(learner)
   start_step = learner.trainer.step
   if not quiet:
@@ -186,7 +149,44 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
     print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
-  bar = None if quiet else metrics_lib.progress(config.train.steps, initial=start_step,
+  summary, stopped, abandoned = _train(learner, transport, watch, metrics_log, quiet=quiet, t0=t0)
+  if not leader:
+    print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
+          file=sys.stderr, flush=True)
+    return summary
+  summary.update(learner.strategy.stats())
+  summary.update({
+      "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
+      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps and not abandoned,
+      "flush_abandoned": abandoned,
+      "retries": transport.retries, "fingerprint": fingerprint, "devices": k,
+  })
+  metrics_lib.write_summary(workdir, summary)
+  if not quiet:
+    print(f"learner {learner_id}: {'stopped' if stopped else 'done'} at step {summary['steps']}, "
+          f"{summary['syncs']} syncs, {summary['adopted']} adopted, "
+          f"{(summary['bytes_sent'] + summary['bytes_received']) / 2**20:.2f} MiB on the wire; "
+          f"summary in {workdir}/summary.json", file=sys.stderr, flush=True)
+  return summary
+
+
+def _devices(learner_id: int, k: int) -> list:
+  """This process's devices, at least the `k` learner `learner_id` trains on."""
+  devices = jax.devices()
+  if len(devices) < k:
+    raise cli.UsageError(
+        f"learner {learner_id} needs {k} devices (config.learners.devices / --devices) but this process sees "
+        f"{len(devices)} {devices[0].platform} device(s); for fake CPU devices start it with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={k} (python -m diloco_jax local does this)")
+  return devices
+
+
+def _train(learner: loop_lib.Learner, transport, watch, metrics_log, *, quiet: bool, t0: float
+           ) -> tuple[dict, bool, bool]:
+  """`run_learner` until done or stopped by a signal, within `comms.shutdown_grace_s` of the first one
+  (the module docstring); then everything closes. Returns (summary, stopped by a signal, flush abandoned)."""
+  config, learner_id = learner.config, learner.learner_id
+  bar = None if quiet else metrics_lib.progress(config.train.steps, initial=learner.trainer.step,
                                                 desc=f"learner {learner_id}")
   summary = None
 
@@ -199,7 +199,8 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
   watchdog = ShutdownWatchdog(float(config.comms.shutdown_grace_s), abandon)
   abandoned = False
   try:
-    with StopSignals(on_first=watchdog.arm) as stop:
+    with cli.StopSignals("learner", "stopping after this step", on_first=watchdog.arm,
+                         exiting="exiting without a final checkpoint") as stop:
       try:
         summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
                                        should_stop=stop)
@@ -209,10 +210,10 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
         # The grace ran out while the learner waited on the network: keep what it has.
         abandoned = True
         learner.trainer.save({"learner": learner_id})
-        summary = loop_lib.learner_summary(learner, time.perf_counter() - t0, None)
+        summary = summary_lib.learner_summary(learner, time.perf_counter() - t0, None)
       finally:
         watchdog.disarm()
-    stopped = bool(stop.received) or getattr(learner, "stop_agreed", False)
+    stopped = bool(stop.received) or learner.strategy.stop_agreed
   except Exception:
     if watch is not None:
       watch.wait_for_verdict()  # a collective that failed with a dead peer: exit as the watch decides
@@ -228,25 +229,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
       transport.close()
     if metrics_log is not None:
       metrics_log.close()
-  if not leader:
-    print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
-          file=sys.stderr, flush=True)
-    return summary
-  if channel is not None:
-    summary.update(learner.group_stats())
-  summary.update({
-      "process_wall_s": time.perf_counter() - t0, "start_step": start_step, "restored": learner.restored,
-      "stopped_by_signal": stopped, "completed": summary["steps"] >= config.train.steps and not abandoned,
-      "flush_abandoned": abandoned,
-      "retries": transport.retries, "fingerprint": fingerprint, "devices": k,
-  })
-  metrics_lib.write_summary(workdir, summary)
-  if not quiet:
-    print(f"learner {learner_id}: {'stopped' if stopped else 'done'} at step {summary['steps']}, "
-          f"{summary['syncs']} syncs, {summary['adopted']} adopted, "
-          f"{(summary['bytes_sent'] + summary['bytes_received']) / 2**20:.2f} MiB on the wire; "
-          f"summary in {workdir}/summary.json", file=sys.stderr, flush=True)
-  return summary
+  return summary, stopped, abandoned
 
 
 def _start_group(config, k: int, devices) -> tuple:

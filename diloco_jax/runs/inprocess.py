@@ -150,10 +150,7 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
   `export`, the global model goes to `<workdir>/model` (`python -m diloco_jax eval/sample --model`)."""
   t0 = time.perf_counter()
   config = config_lib.resolve(config)  # the run's RunSpec passes as it is; a config (tests, tools) resolves here
-  num = config.learners.num
   job = InProcessRun(config, workdir, tape=tape)
-  learners, plan = job.learners, job.plan
-  params = learners[0].trainer.num_params
   config_lib.save_resolved(config, workdir, RUN_ID)
   global_log = metrics_lib.MetricsLog(job.workdir / "global", tags=metrics_lib.GLOBAL_EVAL_TAGS)
   syncer_log = metrics_lib.MetricsLog(job.workdir / "syncer", tags=metrics_lib.SYNCER_TAGS)
@@ -162,15 +159,52 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
   initial_eval = None if job.resumed else evaluator.evaluate()["eval_loss"]
   evaluator.start()
   if not quiet:
-    sizes = [plan.size(p) for p in range(plan.num_fragments)]
-    devices = list(config.learners.device_counts)
-    print(f"train: {num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, {params:,} params, "
-          f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
-          f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps"
-          + ("" if plan.sync_steps == () else f" on average ({config.outer.sync_schedule})") + ", "
-          f"codec {config.outer.codec}, quorum K={config.outer.min_quorum}"
-          + (", resumed" if job.resumed else ""))
-  total = num * config.train.steps
+    _print_start(job)
+  results, errors = _train_learners(job, evaluator, quiet=quiet)
+  job.close()
+  # The product of the run is the syncer's global model: its last eval is the run's final eval loss.
+  final = evaluator.stop(final=not errors)
+  monitor.stop()
+  global_log.close()
+  syncer_log.close()
+  if errors:
+    raise errors[0]
+  summary = _summary(job, evaluator, results, final, initial_eval, t0)
+  if export:
+    summary["model"] = str(export_lib.export(
+        pathlib.Path(workdir) / "model", config, job.global_params(), source="train", run_id=RUN_ID,
+        steps=config.train.steps, tokens=summary["tokens"], tokens_merged=summary["tokens_merged"],
+        final_eval_loss=summary["final_eval_loss"], versions=summary["versions"]))
+  metrics_lib.write_summary(workdir, summary)
+  if not quiet:
+    print(f"train done: global eval loss {summary['final_eval_loss']:.4f}"
+          + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
+          + f", {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, {summary['outer_rounds']} outer rounds, "
+          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
+          + (f", model in {summary['model']}" if export else ""))
+    print(plot_lib.outputs(workdir, "train"))
+  return summary
+
+
+def _print_start(job: InProcessRun) -> None:
+  """The run's shape, on stdout: learners, devices, parameters, fragments and their schedule, codec, quorum."""
+  config, plan = job.config, job.plan
+  sizes = [plan.size(p) for p in range(plan.num_fragments)]
+  devices = list(config.learners.device_counts)
+  print(f"train: {config.learners.num} learners x {devices if len(set(devices)) > 1 else devices[0]} devices, "
+        f"{job.learners[0].trainer.num_params:,} params, "
+        f"{model_lib.flops_per_token(config.model, config.data.seq_len) / 1e6:.1f} MFLOPs/token; "
+        f"{plan.num_fragments} fragments {sizes} every H={config.outer.sync_every} steps"
+        + ("" if plan.sync_steps == () else f" on average ({config.outer.sync_schedule})") + ", "
+        f"codec {config.outer.codec}, quorum K={config.outer.min_quorum}"
+        + (", resumed" if job.resumed else ""))
+
+
+def _train_learners(job: InProcessRun, evaluator, *, quiet: bool) -> tuple[list, list[BaseException]]:
+  """Every learner trains on its own thread (`run_learner`) until done; an error in one stops the others.
+  Returns (each learner's summary, the errors)."""
+  learners, num = job.learners, job.config.learners.num
+  total = num * job.config.train.steps
   bar = metrics_lib.progress(total, initial=sum(l.trainer.step for l in learners), desc="train") if not quiet else None
   bar_lock = threading.Lock()
   results: list[dict | None] = [None] * num
@@ -201,28 +235,26 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
     t.join()
   if bar is not None:
     bar.close()
-  job.close()
-  # The product of the run is the syncer's global model: its last eval is the run's final eval loss.
-  final = evaluator.stop(final=not errors)
-  monitor.stop()
-  global_log.close()
-  syncer_log.close()
-  if errors:
-    raise errors[0]
+  return results, errors
 
+
+def _summary(job: InProcessRun, evaluator, results: list[dict], final: dict | None, initial_eval: float | None,
+             t0: float) -> dict:
+  """The run's summary: the global model's final eval, the learners' summaries and the syncer's counters."""
   final_eval = final["eval_loss"] if final is not None else job.evaluate_global()
   status = job.core.status()
   counters = status["counters"]
   wall = time.perf_counter() - t0
   tokens = sum(r["tokens"] for r in results)
-  summary = {
+  num = job.config.learners.num
+  return {
       "mode": "train", "final_eval_loss": final_eval, "initial_eval_loss": initial_eval,
-      "tokens": tokens, "steps": config.train.steps, "wall_s": wall, "tokens_per_s": tokens / wall,
-      "params": params, "learners": results,
+      "tokens": tokens, "steps": job.config.train.steps, "wall_s": wall, "tokens_per_s": tokens / wall,
+      "params": job.learners[0].trainer.num_params, "learners": results,
       "outer_rounds": counters["rounds"], "contributions_merged": counters["contributions_merged"],
       "contributions_late": counters["contributions_late"],
       "contributions_rejected": counters["contributions_rejected"],
-      "tokens_merged": outer_lib.tokens_merged(counters["tokens_merged"], plan.num_fragments),
+      "tokens_merged": outer_lib.tokens_merged(counters["tokens_merged"], job.plan.num_fragments),
       "bytes_sent": sum(r["bytes_sent"] for r in results),
       "bytes_received": sum(r["bytes_received"] for r in results),
       "comm_bytes": sum(r["bytes_sent"] + r["bytes_received"] for r in results) / num,  # per learner
@@ -230,20 +262,6 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
       "versions": status["versions"], "t_sync_s": status["t_sync_s"],
       "goodput_estimate": status["goodput_estimate"], "global_eval_failures": evaluator.failures,
   }
-  if export:
-    summary["model"] = str(export_lib.export(
-        pathlib.Path(workdir) / "model", config, job.global_params(), source="train", run_id=RUN_ID,
-        steps=config.train.steps, tokens=tokens, tokens_merged=summary["tokens_merged"],
-        final_eval_loss=final_eval, versions=status["versions"]))
-  metrics_lib.write_summary(workdir, summary)
-  if not quiet:
-    print(f"train done: global eval loss {final_eval:.4f}"
-          + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
-          + f", {tokens:,} tokens in {wall:.1f}s, {counters['rounds']} outer rounds, "
-          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
-          + (f", model in {summary['model']}" if export else ""))
-    print(plot_lib.outputs(workdir, "train"))
-  return summary
 
 
 def _flags(fv: flags.FlagValues) -> None:

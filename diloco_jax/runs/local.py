@@ -41,15 +41,9 @@ the launcher dies (Linux parent-death signal).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pathlib
-import re
-import secrets
-import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -59,18 +53,15 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import export as export_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax.outer import merge as outer_lib
-from diloco_jax.runs import plots as plot_lib
-from diloco_jax.protocol import messages as protocol
-from diloco_jax.protocol import run_token
 from diloco_jax.evaluator import loop as eval_loop
-from diloco_jax.transports import sharded
-from diloco_jax.transports.grpc_client import GrpcTransport
+from diloco_jax.outer import merge as outer_lib
+from diloco_jax.runs import children as children_lib
+from diloco_jax.runs import export as export_lib
+from diloco_jax.runs import plots as plot_lib
+from diloco_jax.runs.launcher import Launcher
 
-EXIT_FAILED = 1
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+EXIT_FAILED = cli.EXIT_FAILED
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -92,146 +83,6 @@ def _define_flags(fv: flags.FlagValues) -> None:
                        "outer.num_fragments)", flag_values=fv, lower_bound=1)
 
 
-def config_args(argv: list[str]) -> list[str]:
-  """The `--config FILE` and `--config.x=y` arguments of `argv`, to hand to every child unchanged."""
-  out, i = [], 1
-  while i < len(argv):
-    a = argv[i]
-    if a == "--config" or (a.startswith("--config.") and "=" not in a):
-      out.append(a)
-      if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-        out.append(argv[i + 1])
-        i += 1
-    elif a.startswith("--config=") or a.startswith("--config."):
-      out.append(a)
-    i += 1
-  return out
-
-
-def child_env(num_devices: int) -> dict[str, str]:
-  """This environment with exactly `num_devices` fake CPU devices (set before the child imports jax)."""
-  env = dict(os.environ)
-  xla = re.sub(rf"{_DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", "")).strip()
-  env["XLA_FLAGS"] = f"{xla} {_DEVICE_FLAG}={num_devices}".strip()
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  env["PYTHONUNBUFFERED"] = "1"
-  return env
-
-
-def _die_with_parent() -> None:
-  """In the child, before exec: SIGTERM when the launcher dies (Linux), so no child outlives it."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    pass
-
-
-class Child:
-  """One child process with its log file."""
-
-  def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: pathlib.Path):
-    self.name, self.log_path = name, log_path
-    self._log = open(log_path, "ab")
-    self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-
-  @property
-  def pid(self) -> int:
-    return self.proc.pid
-
-  def poll(self) -> int | None:
-    return self.proc.poll()
-
-  def terminate(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-
-  def wait(self, timeout: float) -> int | None:
-    """Waits up to `timeout`; SIGKILLs the child if it is still alive then. Returns its exit code."""
-    try:
-      return self.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-      print(f"local: {self.name} (pid {self.pid}) did not stop in {timeout:.0f}s: killing it", file=sys.stderr)
-      self.proc.kill()
-      return self.proc.wait()
-
-  def tail(self, lines: int = 25) -> str:
-    self._log.flush()
-    try:
-      text = self.log_path.read_bytes()[-16384:].decode(errors="replace")
-    except OSError:
-      return ""
-    # tqdm redraws with carriage returns: keep the last state of each line.
-    return "\n".join(line.split("\r")[-1] for line in text.splitlines()[-lines:])
-
-  def close(self) -> None:
-    self._log.close()
-
-
-def _last_record(path: pathlib.Path) -> dict | None:
-  """The last complete JSON line of a metrics file (reads only its end)."""
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - 8192))
-      lines = f.read().splitlines()
-  except OSError:
-    return None
-  for line in reversed(lines):
-    try:
-      return json.loads(line)
-    except ValueError:
-      continue  # a line being written, or cut by the seek
-  return None
-
-
-def learner_progress(workdir: pathlib.Path) -> dict:
-  """{"step": s, "versions": [...]} from a learner's summary, else its latest metrics record."""
-  summary = workdir / "summary.json"
-  if summary.exists():
-    try:
-      return {"step": json.loads(summary.read_text())["steps"], "versions": None}
-    except (OSError, ValueError, KeyError):
-      pass
-  record = _last_record(workdir / "metrics.jsonl") or {}
-  return {"step": int(record.get("step", 0)), "versions": record.get("versions")}
-
-
-def free_port() -> int:
-  """A TCP port free on loopback now (for a learner's jax.distributed coordinator)."""
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
-def free_ports(n: int) -> int:
-  """The first of `n` consecutive TCP ports free on loopback now (for the shards of a syncer)."""
-  for _ in range(100):
-    base = free_port()
-    socks = []
-    try:
-      for port in range(base, base + n):
-        sock = socket.socket()
-        socks.append(sock)
-        sock.bind(("127.0.0.1", port))
-      return base
-    except OSError:
-      continue  # one of them is taken: try another base
-    finally:
-      for sock in socks:
-        sock.close()
-  raise RuntimeError(f"found no {n} consecutive free ports on loopback")
-
-
-def write_token(path: pathlib.Path) -> None:
-  """A fresh random run token, readable by this user only (created with mode 600, never widened)."""
-  path.unlink(missing_ok=True)
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-  with os.fdopen(fd, "w") as f:
-    f.write(secrets.token_hex(32) + "\n")
-
-
 def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export_dir: pathlib.Path | None = None
                     ) -> float | None:
   """Eval loss of the global model in the syncer's latest checkpoint (every shard's), on this process's CPU
@@ -247,208 +98,6 @@ def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export
                       syncer_checkpoint_step=info["step"], rounds=info["rounds"], versions=info["versions"],
                       final_eval_loss=loss)
   return loss
-
-
-class Launcher:
-  """Starts, watches and stops the children of one local run."""
-
-  def __init__(self, config, config_argv: list[str], workdir: pathlib.Path, run_id: str, *,
-               stop_timeout_s: float, start_timeout_s: float, hosts_per_learner: int = 1, syncer_shards: int = 1):
-    self.config, self.config_argv, self.workdir, self.run_id = config_lib.resolve(config), config_argv, workdir, run_id
-    self.hosts_per_learner, self.syncer_shards = hosts_per_learner, syncer_shards
-    self.stop_timeout_s, self.start_timeout_s = stop_timeout_s, start_timeout_s
-    self.syncers: list[Child] = []  # one per shard
-    self.evaluator: Child | None = None  # an observer: its failure is reported, never fatal
-    self._evaluator_reported = False
-    self.learners: list[Child] = []
-    self.signals: list[int] = []
-    self.ports: list[int] = [0] * syncer_shards  # the shards', in shard order (0: not serving yet)
-
-  def _command(self, command: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco_jax", command, *self.config_argv, "--run-id", self.run_id, *args]
-
-  def on_signal(self, signum, frame) -> None:
-    del frame
-    self.signals.append(signum)
-
-  def syncer_dirs(self) -> list[pathlib.Path]:
-    """The syncer's workdir: one, or one per shard."""
-    if self.syncer_shards == 1:
-      return [self.workdir / "syncer"]
-    return [self.workdir / "syncer" / f"shard_{i}" for i in range(self.syncer_shards)]
-
-  @property
-  def target(self) -> str:
-    """The syncer's address for `--syncer`: every shard's, in shard order."""
-    return ",".join(f"127.0.0.1:{port}" for port in self.ports)
-
-  @property
-  def port(self) -> int:
-    """The syncer's port (shard 0's, when sharded)."""
-    return self.ports[0]
-
-  @property
-  def syncer(self) -> Child | None:
-    """The syncer's process (shard 0's, when sharded)."""
-    return self.syncers[0] if self.syncers else None
-
-  def start_syncers(self) -> None:
-    """Starts the syncer (every shard: on consecutive free ports) and waits until every shard serves."""
-    s = self.syncer_shards
-    base = free_ports(s) if s > 1 else 0  # one syncer: any free port, read back from its port file
-    for i in range(s):
-      self.start_syncer(base + i if s > 1 else 0, wait=False, shard=i)
-    deadline = time.monotonic() + self.start_timeout_s
-    while not self.signals and not all([self.syncer_serving(i) for i in range(s)]):
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"the syncer wrote no port file in {self.start_timeout_s:.0f}s; see "
-                           f"{', '.join(str(c.log_path) for c in self.syncers)}")
-      time.sleep(0.2)
-
-  def start_syncer(self, port: int = 0, wait: bool = True, shard: int = 0) -> None:
-    """Start syncer shard `shard` (the syncer, unsharded) on `port` (0: any free port; a restart passes the
-    port it had) and, with `wait`, wait until it serves (else poll `syncer_serving`)."""
-    s = self.syncer_shards
-    sdir = self.syncer_dirs()[shard]
-    sdir.mkdir(parents=True, exist_ok=True)
-    (sdir / "syncer.port").unlink(missing_ok=True)  # a stale one from an earlier run would point at a dead port
-    flags_ = ["--shard", str(shard), "--shards", str(s)] if s > 1 else []
-    child = Child("syncer" if s == 1 else f"syncer shard {shard}",
-                  self._command("syncer", "--workdir", str(sdir), "--bind", f"127.0.0.1:{port}",
-                                "--token-file", str(self.workdir / "token"), *flags_),
-                  child_env(1), self.workdir / "logs" / ("syncer.log" if s == 1 else f"syncer_{shard}.log"))
-    if shard < len(self.syncers):
-      self.syncers[shard] = child
-    else:
-      self.syncers.append(child)
-    deadline = time.monotonic() + self.start_timeout_s
-    while wait and not self.signals and not self.syncer_serving(shard):
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"the syncer wrote no port file in {self.start_timeout_s:.0f}s; see {child.log_path}")
-      time.sleep(0.2)
-
-  def syncer_serving(self, shard: int = 0) -> bool:
-    """Whether syncer shard `shard` wrote its port file (it serves; `ports` has its port). Raises
-    ChildFailed if it died."""
-    port_file = self.syncer_dirs()[shard] / "syncer.port"
-    text = port_file.read_text().strip() if port_file.exists() else ""
-    if text.isdigit():
-      self.ports[shard] = int(text)
-      return True
-    if self.syncers[shard].poll() is not None:
-      raise ChildFailed(self.syncers[shard])
-    return False
-
-  def start_learners(self) -> None:
-    for i in range(self.config.learners.num):
-      self.start_learner(i)
-
-  def start_learner(self, i: int, add: bool = True) -> list[Child]:
-    """Starts (or restarts: same id, same workdir, so it resumes from its checkpoint) learner i: one
-    process, or `hosts_per_learner` processes joined by jax.distributed; `add`: append them to `learners`
-    (a restart replaces the old ones itself)."""
-    h = self.hosts_per_learner
-    devices = self.config.learners.device_counts[i]
-    ldir = self.workdir / f"learner_{i}"
-    argv = self._command("learner", "--syncer", self.target, "--learner-id", str(i),
-                         "--workdir", str(ldir), "--token-file", str(self.workdir / "token"))
-    if h == 1:
-      children = [Child(f"learner {i}", argv, child_env(devices),
-                        self.workdir / "logs" / f"learner_{i}.log")]
-    else:
-      coordinator = f"127.0.0.1:{free_port()}"
-      children = [Child(f"learner {i} process {p}",
-                        argv + ["--coordinator", coordinator, "--num-processes", str(h), "--process-id", str(p)],
-                        child_env(devices // h), self.workdir / "logs" / f"learner_{i}_p{p}.log")
-                  for p in range(h)]
-    if add:
-      self.learners.extend(children)
-    return children
-
-  def start_evaluator(self) -> None:
-    self.evaluator = Child(
-        "evaluator",
-        self._command("evaluator", "--syncer", self.target, "--workdir", str(self.workdir / "global"),
-                      "--token-file", str(self.workdir / "token")),
-        child_env(self.config.learners.device_counts[0]), self.workdir / "logs" / "evaluator.log")
-
-  def latest_global_eval(self) -> float | None:
-    """The newest eval loss of the global model (the evaluator's records), if any."""
-    record = _last_record(self.workdir / "global" / "metrics.jsonl") or {}
-    return record.get("eval_loss")
-
-  def _check_evaluator(self) -> None:
-    if self.evaluator is not None and self.evaluator.poll() not in (None, 0) and not self._evaluator_reported:
-      self._evaluator_reported = True
-      print(f"\nlocal: the evaluator exited with status {self.evaluator.poll()} (training goes on without the "
-            f"global model's curve); last lines of {self.evaluator.log_path}:\n{self.evaluator.tail(10)}",
-            file=sys.stderr)
-
-  def watch(self, quiet: bool = False) -> None:
-    """Until every learner exits 0 (returns), a child fails (raises ChildFailed), or a signal (returns)."""
-    steps = self.config.train.steps
-    dirs = [self.workdir / f"learner_{i}" for i in range(self.config.learners.num)]
-    bar = None if quiet else metrics_lib.progress(steps * len(dirs), desc="local")
-    max_version = 0
-    try:
-      while not self.signals:
-        for child in [*self.syncers, *self.learners]:
-          rc = child.poll()
-          if rc is not None and (rc != 0 or child in self.syncers):
-            raise ChildFailed(child)
-        self._check_evaluator()
-        progress = [learner_progress(d) for d in dirs]
-        if bar is not None:
-          versions = [v for p in progress if p["versions"] for v in p["versions"]]
-          max_version = max(versions + [max_version])
-          eval_loss = self.latest_global_eval()
-          bar.set_postfix(alive=sum(c.poll() is None for c in self.learners), max_version=max_version,
-                          **({"global_eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}),
-                          refresh=False)
-          # update() draws at tqdm's interval (10 s when stderr is a log file, not a terminal).
-          bar.update(sum(min(p["step"], steps) for p in progress) - bar.n)
-        if all(c.poll() == 0 for c in self.learners):
-          return
-        time.sleep(1.0)
-    finally:
-      if bar is not None:
-        bar.close()
-
-  def syncer_status(self) -> dict | None:
-    try:
-      token = run_token.read_token(str(self.workdir / "token"))
-      with sharded.connect(self.target.split(","), lambda target: GrpcTransport(
-          target, token, protocol.OBSERVER_ID, unreachable_deadline_s=10.0)) as t:
-        return t.status()
-    except Exception as e:  # noqa: BLE001 - the summary is still worth writing without it
-      print(f"local: could not read the syncer's status: {e}", file=sys.stderr)
-      return None
-
-  def stop_all(self) -> dict[str, int | None]:
-    """Learners first (they flush to the syncer and checkpoint), then the evaluator (a last eval of the
-    global model, which the syncer still serves), then the syncer (final checkpoint)."""
-    codes = {}
-    for child in self.learners:
-      child.terminate()
-    for child in self.learners:
-      codes[child.name] = child.wait(self.stop_timeout_s)
-    if self.evaluator is not None:
-      self.evaluator.terminate()
-      codes["evaluator"] = self.evaluator.wait(self.stop_timeout_s)
-    for child in self.syncers:
-      child.terminate()
-    for child in self.syncers:
-      codes[child.name] = child.wait(self.stop_timeout_s)
-    for child in [*self.learners, *([self.evaluator] if self.evaluator is not None else []), *self.syncers]:
-      child.close()
-    return codes
-
-
-class ChildFailed(RuntimeError):
-
-  def __init__(self, child: Child):
-    super().__init__(f"{child.name} (pid {child.pid}) exited with status {child.poll()}")
-    self.child = child
 
 
 def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s: float, run_id: str,
@@ -482,8 +131,41 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
 def launch(argv) -> int:
   """`python -m diloco_jax local --config CFG --learners N --workdir DIR`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
+  config, config_argv, counts = _run_config(fv, argv)
+  hosts, shards = fv["hosts-per-learner"].value, fv["syncer-shards"].value
+  # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
+  os.environ.update({k: v for k, v in children_lib.child_env(counts[0]).items()
+                     if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
+  workdir = pathlib.Path(fv.workdir).resolve()
+  (workdir / "logs").mkdir(parents=True, exist_ok=True)
+  children_lib.write_token(workdir / "token")
+  run_id = fv["run-id"].value
+  config_lib.save_resolved(config, workdir, run_id)
+  # A signal (any number of them) stops the children in order (`Launcher.stop_all`); the launcher says so after.
+  with cli.StopSignals("local", doing=None, exit_on_second=False) as signals:
+    launcher = Launcher(config, config_argv, workdir, run_id, stop_timeout_s=fv["stop-timeout-s"].value,
+                        start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts, syncer_shards=shards,
+                        signals=signals.received)
+    t0 = time.perf_counter()
+    per = f"{counts if len(set(counts)) > 1 else counts[0]}"
+    shape = f"{hosts} processes x {per} / {hosts}" if hosts > 1 else per
+    print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
+          f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
+    status, failed, codes = _run_children(launcher, with_evaluator=fv.eval)
+    if failed is not None:
+      print(f"local: {failed}; last lines of {failed.child.log_path}:\n{failed.child.tail()}", file=sys.stderr)
+      return EXIT_FAILED
+    if launcher.signals:
+      print(f"local: stopped by signal {launcher.signals[0]}; children exited {codes}", file=sys.stderr)
+      return 128 + launcher.signals[0]
+    _finish(launcher, status, codes, t0, evaluate=fv.eval, export=fv.export)
+  return 0
+
+
+def _run_config(fv, argv: list[str]) -> tuple:
+  """The run's RunSpec (validated), the config arguments every child gets, and each learner's devices."""
   config = fv.config
-  config_argv = config_args(argv)
+  config_argv = children_lib.config_args(argv)
   if fv.learners:
     config.learners.num = fv.learners
     config_argv.append(f"--config.learners.num={fv.learners}")
@@ -497,53 +179,44 @@ def launch(argv) -> int:
   if hosts < 1 or any(n % hosts for n in counts):
     raise cli.UsageError(f"--hosts-per-learner ({hosts}) must be >= 1 and divide every learner's devices "
                          f"({counts if len(set(counts)) > 1 else counts[0]})")
-  # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
-  os.environ.update({k: v for k, v in child_env(counts[0]).items()
-                     if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
-  workdir = pathlib.Path(fv.workdir).resolve()
-  (workdir / "logs").mkdir(parents=True, exist_ok=True)
-  write_token(workdir / "token")
-  run_id = fv["run-id"].value
-  config_lib.save_resolved(config, workdir, run_id)
-  launcher = Launcher(config, config_argv, workdir, run_id, stop_timeout_s=fv["stop-timeout-s"].value,
-                      start_timeout_s=fv["start-timeout-s"].value, hosts_per_learner=hosts, syncer_shards=shards)
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, launcher.on_signal)
-  t0 = time.perf_counter()
+  return config, config_argv, counts
+
+
+def _run_children(launcher: Launcher, *, with_evaluator: bool) -> tuple:
+  """Start the children in order, watch them until the learners are done (or one fails, or a signal), ask
+  the syncer for its status, and stop them all in order. Returns (status, the failure, exit codes)."""
   status, failed = None, None
-  per = f"{counts if len(set(counts)) > 1 else counts[0]}"
-  shape = f"{hosts} processes x {per} / {hosts}" if hosts > 1 else per
-  print(f"local: {config.learners.num} learners x {shape} CPU devices, run id {run_id!r}, "
-        f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
   try:
     launcher.start_syncers()
     if not launcher.signals:
       pids = ", ".join(str(c.pid) for c in launcher.syncers)
       print(f"local: syncer on {launcher.target} (pid {pids})", file=sys.stderr, flush=True)
-      if fv.eval:
+      if with_evaluator:
         launcher.start_evaluator()
       launcher.start_learners()
       launcher.watch()
     if not launcher.signals:
       status = launcher.syncer_status()
-  except ChildFailed as e:
+  except children_lib.ChildFailed as e:
     failed = e
   finally:
     codes = launcher.stop_all()
-  if failed is not None:
-    print(f"local: {failed}; last lines of {failed.child.log_path}:\n{failed.child.tail()}", file=sys.stderr)
-    return EXIT_FAILED
-  if launcher.signals:
-    print(f"local: stopped by signal {launcher.signals[0]}; children exited {codes}", file=sys.stderr)
-    return 128 + launcher.signals[0]
+  return status, failed, codes
+
+
+def _finish(launcher: Launcher, status: dict | None, codes: dict, t0: float, *, evaluate: bool,
+            export: bool) -> None:
+  """The run's summary (the learners', the syncer's status, the evaluator's), the final eval and export of
+  the global model, the plots; what it says on stderr."""
+  config, workdir, run_id = launcher.config, launcher.workdir, launcher.run_id
   summary = merged_summary(workdir, config.learners.num, status, time.perf_counter() - t0, run_id,
                            config.outer.num_fragments)
   summary["exit_codes"] = codes
   evaluator_summary = workdir / "global" / "summary.json"
   if launcher.evaluator is not None and evaluator_summary.exists():
     summary["global_eval"] = json.loads(evaluator_summary.read_text())
-  if fv.eval:
-    export_dir = workdir / "model" if fv.export else None
+  if evaluate:
+    export_dir = workdir / "model" if export else None
     summary["final_eval_loss"] = evaluate_global(config, launcher.syncer_dirs(), run_id, export_dir)
     if export_dir is not None and summary["final_eval_loss"] is not None:
       summary["model"] = str(export_dir)
@@ -555,4 +228,3 @@ def launch(argv) -> int:
         + (f", model in {summary['model']}" if "model" in summary else ""),
         file=sys.stderr)
   print(plot_lib.outputs(workdir, "local"), file=sys.stderr)
-  return 0

@@ -44,7 +44,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.tools.chaos import history
 from diloco_jax.tools.chaos import job as chaos_job
 from diloco_jax.tools.chaos import schedule as chaos_schedule
@@ -76,8 +76,8 @@ def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events:
   (workdir / "logs").mkdir(parents=True)
   argv = [sys.executable, "-m", "diloco_jax", "baseline", *config_argv,
           f"--config.mesh.num_devices={devices}", "--workdir", str(workdir)]
-  env = launch_local.child_env(devices)
-  start = lambda: launch_local.Child("baseline", argv, env, workdir / "logs" / "baseline.log")
+  env = run_children.child_env(devices)
+  start = lambda: run_children.Child("baseline", argv, env, workdir / "logs" / "baseline.log")
   t_launch = time.time()
   child, restarts, log = start(), [], []
   pending: list[tuple[float, str]] = []
@@ -243,13 +243,13 @@ def bench_chaos(argv) -> int:
   config, learners = fv.config, fv.learners
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")
-  config_argv = chaos_job.chaos_config_argv(config, launch_local.config_args(argv), learners)
+  config_argv = chaos_job.chaos_config_argv(config, run_children.config_args(argv), learners)
   if not config.emulation.min_step_s and fv["min-step-s"].value > 0:
     config.emulation.min_step_s = fv["min-step-s"].value
     config_argv.append(f"--config.emulation.min_step_s={config.emulation.min_step_s}")
   devices = learners * config.learners.devices
   cli.validated(config, devices, learners=True)
-  os.environ.update({k: v for k, v in launch_local.child_env(config.learners.devices).items()
+  os.environ.update({k: v for k, v in run_children.child_env(config.learners.devices).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
   root = pathlib.Path(fv.workdir).resolve()
   root.mkdir(parents=True, exist_ok=True)

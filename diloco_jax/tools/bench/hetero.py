@@ -43,7 +43,7 @@ from diloco_jax.runs import baseline
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax.runs import inprocess
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.tools.sim import goodput as sim_goodput
@@ -315,7 +315,7 @@ def bench_hetero(argv) -> int:
       f"tau={config.outer.tau}, {config.train.steps} steps per learner"
       + (", learner processes over gRPC" if fv.processes else ", in one process"))
   result = run(config, settings=settings, speeds=speeds, step_cv=step_cv, step_s=step_s, workdir=root,
-               processes=fv.processes, config_argv=launch_local.config_args(argv), with_baseline=fv.baseline,
+               processes=fv.processes, config_argv=run_children.config_args(argv), with_baseline=fv.baseline,
                sim_repeats=fv["sim-repeats"].value, log=say)
   if fv.json:
     print(json.dumps(metrics_lib._jsonable(result), indent=2, default=str))

@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.compute import multihost
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import group as group_lib
@@ -107,9 +107,10 @@ def _chunk(step_fn, trainer, steps: int) -> float:
 
 
 def _group_counters(learner) -> tuple:
-  if not isinstance(learner, group_lib.GroupLearner):
+  group = learner.strategy
+  if not isinstance(group, group_lib.ProcessGroup):
     return (0, 0.0, 0, 0.0)
-  return (learner.decisions, learner.decision_s, learner.broadcasts, learner.broadcast_s)
+  return (group.decisions, group.decision_s, group.broadcasts, group.broadcast_s)
 
 
 def _worker(fv, config) -> int:
@@ -127,8 +128,8 @@ def _worker(fv, config) -> int:
   if jax.process_count() > 1:
     channels = {"host channel": multihost.HostChannel(jax.process_index(), jax.process_count()),
                 "collective": CollectiveChannel(jax.process_index(), jax.process_count())}
-    learner = group_lib.GroupLearner(config, 0, devices, transport, fingerprint, None,
-                                     channel=channels["host channel"])
+    learner = loop_lib.Learner(config, 0, devices, transport, fingerprint, None,
+                               strategy=group_lib.ProcessGroup(channels["host channel"]))
   else:
     learner = loop_lib.Learner(config, 0, devices, transport, fingerprint, None)
   bare = trainer_lib.MeshTrainer(config, devices, None, batch_size=config.data.global_batch)
@@ -137,7 +138,7 @@ def _worker(fv, config) -> int:
   learner.join()
   _chunk(bare.train_step, bare, 3)  # warm up: compile the steps, outer-gradient and adoption functions
   for channel in channels.values():
-    learner.channel = channel
+    learner.strategy.channel = channel
     _chunk(learner.train_step, learner.trainer, h + 2)
   bare_s = []
   learner_s = {name: [] for name in channels}
@@ -145,7 +146,7 @@ def _worker(fv, config) -> int:
   for _ in range(fv.chunks):  # the sides alternate, so that a drift of the machine's speed hits all alike
     bare_s.append(_chunk(bare.train_step, bare, steps))
     for name, channel in channels.items():
-      learner.channel = channel
+      learner.strategy.channel = channel
       before = _group_counters(learner)
       learner_s[name].append(_chunk(learner.train_step, learner.trainer, steps))
       per_step[name].append([(b - a) / steps for a, b in zip(before, _group_counters(learner))])
@@ -168,7 +169,7 @@ def _worker(fv, config) -> int:
 
 def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str, processes: int,
                        devices: int, extra: list[str]) -> list[dict]:
-  port = launch_local.free_port()
+  port = run_children.free_port()
   procs = []
   for p in range(processes):
     out = out_dir / f"{name}_p{p}.json"
@@ -176,7 +177,7 @@ def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str,
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
             "--process-id", str(p)]
     log = open(out_dir / f"{name}_p{p}.log", "wb")
-    procs.append((subprocess.Popen(argv, env=launch_local.child_env(devices // processes), stdout=log,
+    procs.append((subprocess.Popen(argv, env=run_children.child_env(devices // processes), stdout=log,
                                    stderr=subprocess.STDOUT), out, log))
   results = []
   for proc, out, log in procs:
@@ -214,7 +215,7 @@ def bench_multihost(argv) -> int:
   with tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp:
     for processes in (1, n):
       print(f"  running {processes} process(es) ...", file=sys.stderr, flush=True)
-      results = _run_configuration(launch_local.config_args(argv), pathlib.Path(tmp), f"p{processes}", processes,
+      results = _run_configuration(run_children.config_args(argv), pathlib.Path(tmp), f"p{processes}", processes,
                                    fv.devices, extra)
       for side in results[0]["sides"]:
         label = f"1 x {fv.devices}" if processes == 1 else f"{processes} x {fv.devices // processes}, {side}"

@@ -29,7 +29,7 @@ import sys
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
 from diloco_jax.tools.chaos import job as job_lib
 from diloco_jax.tools.chaos import report as report_lib
 from diloco_jax.tools.chaos import schedule as schedule_lib
@@ -69,7 +69,7 @@ def run_chaos(argv) -> int:
   learners = fv.learners
   if learners < 1:
     raise cli.UsageError(f"--learners must be >= 1, got {learners}")
-  config_argv = job_lib.chaos_config_argv(config, launch_local.config_args(argv), learners)
+  config_argv = job_lib.chaos_config_argv(config, run_children.config_args(argv), learners)
   cli.validated(config, learners * config.learners.devices, learners=True)
   if fv.schedule:
     try:
@@ -77,7 +77,7 @@ def run_chaos(argv) -> int:
     except ValueError as e:
       raise cli.UsageError(str(e)) from None
   # The launcher's own jax (the final evals) gets one learner's worth of CPU devices; set before first use.
-  os.environ.update({k: v for k, v in launch_local.child_env(config.learners.devices).items()
+  os.environ.update({k: v for k, v in run_children.child_env(config.learners.devices).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
   workdir = pathlib.Path(fv.workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ import signal
 import time
 
 from diloco_jax.runs import local as launch_local
+from diloco_jax.runs import children as run_children
+from diloco_jax.runs import launcher as run_launcher
 from diloco_jax.tools.chaos import analysis
 from diloco_jax.tools.chaos.schedule import LEARNER_KINDS, Event
 
@@ -47,8 +49,8 @@ class _Job:
     self.cut_pattern = str(cut_dir / "learner_{learner}")
     argv = config_argv + [f"--config.emulation.cutoff_file={self.cut_pattern}"]
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    launch_local.write_token(workdir / "token")
-    self.launcher = launch_local.Launcher(config, argv, workdir, run_id, stop_timeout_s=60.0,
+    run_children.write_token(workdir / "token")
+    self.launcher = run_launcher.Launcher(config, argv, workdir, run_id, stop_timeout_s=60.0,
                                           start_timeout_s=300.0)
     self.log: list[dict] = []  # {"t", "what", "kind", "target"}: every action taken, wall time
     self.syncer_down: list[list[float]] = []  # [signal time, restarted process start]
@@ -108,7 +110,7 @@ class _Job:
       now = time.time()
       if now > deadline:
         return False, f"timed out after {self.timeout_s:.0f} s", t_train
-      if t_train is None and all(launch_local.learner_progress(d)["step"] >= 1 for d in self._learner_dirs()):
+      if t_train is None and all(run_launcher.learner_progress(d)["step"] >= 1 for d in self._learner_dirs()):
         t_train = now
         self._note("every learner trains: the schedule starts")
       while t_train is not None and todo and t_train + todo[0].at_s <= now:
@@ -134,7 +136,7 @@ class _Job:
       if self._starting is not None and la.syncer_serving():
         self._note(f"the restarted syncer serves ({time.time() - self._starting:.1f} s after its start)")
         self._starting = None
-    except launch_local.ChildFailed as e:
+    except run_children.ChildFailed as e:
       return f"the restarted syncer failed: {e}"
     if la.syncer.poll() is not None and la.syncer.pid not in self.expected_exit:
       return f"the syncer exited with status {la.syncer.poll()}"

@@ -266,7 +266,7 @@ class _OuterLoop:
     flight = self.in_flight[j]
     # Work done so far: frozen while the learner waits.
     work = self.clocks[j].capacity(now if self.block_from[j] is None else self.block_from[j]) - self.blocked_c[j]
-    # Adopt what came back at least tau steps after its snapshot (the loop's `_adopt_ready`).
+    # Adopt what came back at least tau steps after its snapshot (the learner's `adopt_ready`).
     flight[:] = [x for x in flight if not (x.result_at is not None and x.result_at <= now
                                              and work >= x.work_at + self.tau_work[j])]
     # Due again before its previous sync came back: wait for it (then adopt it).
