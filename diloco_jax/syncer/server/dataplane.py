@@ -60,7 +60,7 @@ class DataPlaneServer:
   spends its own budget), with slots of this plane's own (`slots.Slots`: at most `Limits.pushes_per_caller`
   pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads are bounded by
   `max_connections`). The gate's limits: the largest push, the long-poll cap, the call rate per caller;
-  observers (learner id `protocol.OBSERVER_ID`) may pull.
+  observers (learner id `messages.OBSERVER_ID`) may pull.
 
   Socket care: the run token proven per connection (HMAC of a fresh nonce, constant-time compare); TLS
   when the service has it (the same certificate, and client certificates with mutual TLS); at most
