@@ -35,7 +35,7 @@ class FragmentPlan:
   shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[p][i]: the (whole) shape of paths[p][i]
   offsets: tuple[int, ...]  # offsets[p] in [0, sync_every)
   # ranges[p][i]: the (start, stop) of paths[p][i]'s flattened elements in fragment p (all of them unless
-  # the leaf was split, see the module docstring). Fragment p's vector: these pieces, in order.
+  # the leaf was split, see `make_plan`). Fragment p's vector: these pieces, in order.
   ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
   # sync_steps[p]: the steps fragment p is due at, ascending, under a non-periodic schedule; () = periodic.
   sync_steps: tuple[tuple[int, ...], ...] = ()
