@@ -106,8 +106,9 @@ def recv_frame(sock: socket.socket, what: str) -> tuple[int, bytes]:
 def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: None,
                  pool: BufferPool | None = None) -> bytearray:
   """`total` bytes (declared by the sender and bounded by the caller) through a `chunking.Reassembler`,
-  which holds only what arrived, so memory grows with what arrives (or copies into a free buffer of that size from `pool`, which keeps the result
-  for later transfers); `on_chunk(n)` after each read (byte counts, WAN pacing)."""
+  which holds only what arrived, so memory grows with what arrives (or copies into a free buffer of that
+  size from `pool`, which keeps the result for later transfers); `on_chunk(n)` after each read (byte
+  counts, WAN pacing)."""
   into = pool.take(total) if pool is not None else None
   payload = Reassembler(total, what, into=into)
   buf = bytearray(min(IO_CHUNK, max(total, 1)))
