@@ -4,20 +4,12 @@ processes dies or hangs.
 
 A learner on a TPU slice of several hosts is one JAX program run by one process per host. Every process
 must dispatch the same jitted computations in the same order, so whatever depends on the network (has a
-merged fragment arrived? which version?) is decided by process 0 alone and handed to the others:
-
-* decisions, a few hundred bytes of JSON, travel host to host through the key-value store of the
-  `jax.distributed` coordination service (`HostChannel`): publishing one never waits for the devices,
-  so the inner steps already queued keep running;
-* the merged fragments themselves travel over the mesh (`Broadcaster`): one collective from process 0's
-  devices to every device of the learner, as raw bits, so every process adopts the very same values.
-
-`PeerWatch` beats a counter per process in the same store and watches the others'. A process silent for
-`peer_timeout_s` (killed, wedged, its host gone) takes the learner out: the survivors print which process
-went silent and exit with `EXIT_PEER_LOST` instead of waiting forever in a collective with a dead peer.
-When process 0 itself dies, the coordination service dies with it, and jax's runtime ends the other
-processes at once with its own message ("Terminating process because the JAX distributed service detected
-fatal errors"): that exit is jax's and cannot be made quieter from Python.
+merged fragment arrived? which version?) is decided by process 0 alone and handed to the others: the
+decisions, a few hundred bytes of JSON, host to host through the coordination service's key-value store
+(`HostChannel`), never waiting for the devices; the merged fragments over the mesh (`Broadcaster`), as
+raw bits, so every process adopts the very same values. `PeerWatch` takes the learner out when a process
+goes silent (exit status `EXIT_PEER_LOST`). docs/architecture.md, "Processes and threads of a multi-host
+learner"; docs/operations.md, "A learner spanning several processes (multi-host)".
 """
 
 from __future__ import annotations
@@ -116,7 +108,13 @@ class PeerWatch:
   moved for `timeout_s` (and that has not said it finished), or a store unreachable for `timeout_s`
   (process 0, which hosts it, is gone), is lost: `on_lost(message)` runs once, on this thread; by
   default it prints the message and ends the process with `EXIT_PEER_LOST` (the main thread may be stuck
-  in a collective that will never complete, so nothing short of ending the process gets it out).
+  in a collective that will never complete, so nothing short of ending the process gets it out): the
+  survivors print which process went silent (killed, wedged, its host gone) and exit instead of waiting
+  forever in a collective with a dead peer.
+
+  When process 0 itself dies, the coordination service dies with it, and jax's runtime ends the other
+  processes at once with its own message ("Terminating process because the JAX distributed service
+  detected fatal errors"): that exit is jax's and cannot be made quieter from Python.
   """
 
   def __init__(self, process_id: int, num_processes: int, *, timeout_s: float, beat_s: float = 1.0,

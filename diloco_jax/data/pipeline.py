@@ -3,15 +3,11 @@ learner, from the byte corpus (`corpus.py`) or token shards (`token_windows.py`)
 
 Learner `k` of `M` reads windows `k, k + M, k + 2M, ...`: the shards are disjoint and cover every window.
 
-Pipeline per learner (grain 0.2 dataset API)::
+Pipeline per learner (grain 0.2 dataset API; a learner spanning several processes reads its batches in
+parts, one per process: `train_iterator`)::
 
   MapDataset.source(windows)[k::M].seed(s).shuffle().repeat().batch(b, drop_remainder=True)
       .to_iter_dataset()
-
-A learner spanning H processes reads its batches in H parts, one per process: process p reads sub-batches
-p, p + H, p + 2H, ... of `batch(b / H)` on the same stream, so that the H parts of batch i, side by side,
-are exactly batch i of the one-process pipeline: the data a learner sees does not depend on how many
-hosts it spans, and each host reads only its own rows.
 
 The resulting iterator's `get_state()` is a small JSON-able dict (`{"next_index": n}`) that orbax stores
 with the checkpoint; `set_state()` on a fresh iterator of the same config resumes at the same batch.
@@ -70,7 +66,10 @@ def train_iterator(data_cfg, *, batch_size: int, num_shards: int = 1, shard_inde
     shard_index: which shard, in [0, num_shards).
     seed: run seed; combined with `shard_index` so every shard has its own deterministic order.
     part / num_parts: read only rows [part * b, (part + 1) * b) of every batch, b = batch_size / num_parts
-      (the share of one process of a learner spanning `num_parts` processes).
+      (the share of one process of a learner spanning `num_parts` processes). Process p reads sub-batches
+      p, p + H, p + 2H, ... of `batch(b)` on the same stream (H = num_parts), so that the H parts of batch
+      i, side by side, are exactly batch i of the one-process pipeline: the data a learner sees does not
+      depend on how many hosts it spans, and each host reads only its own rows.
 
   Returns:
     A grain DatasetIterator over `{"tokens": int32[batch_size / num_parts, seq_len + 1]}`. Each epoch of the shard is

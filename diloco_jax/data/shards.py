@@ -6,7 +6,7 @@ and followed by the tokenizer's eos id; train documents go, in sorted order, to 
 the fewest tokens so far (balanced and disjoint), eval documents to the eval shards. A shard is records of
 `chunk_tokens` consecutive tokens (little-endian uint16; uint32 above 65,536 pieces); `tokens.json` holds
 the tokenizer's path and sha256, and per file its documents, tokens and text bytes. The pipeline reads them
-as `data.format="array_record"` (`data/pipeline.py`'s `TokenWindows`).
+as `data.format="array_record"` (`data/token_windows.py`'s `TokenWindows`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Flat float32 vectors <-> bytes: fp32, bf16, and block-quantized int8 / int4, with checksums.
 
-Formats (all little-endian; `n` elements, `block` elements per block, `nb = ceil(n / block)` blocks):
+Formats (`n` elements, `block` elements per block, `nb = ceil(n / block)` blocks; byte layouts: `encode`):
 
 * `fp32`: the raw float32 values, 4n bytes. Exact.
-* `bf16`: the top 16 bits of each float32 after round-to-nearest-even, 2n bytes. Relative error
-  |err| <= 2^-8 |x| for normal values (half a unit in the last place of an 8-bit significand); values
-  below the float32 normal range (|x| < 2^-126) have an absolute error <= 2^-134; values within half a
-  bf16 ulp of the float32 maximum round to +-inf.
-* `int8`: symmetric absmax quantization per block. `scale = absmax(block) / 127`,
-  `q = round(x / scale)` in [-127, 127]. Payload: nb * block int8 codes (the last block zero-padded), then
-  nb float32 scales. |err| <= scale / 2 per element (up to float32 rounding, a relative 2^-12 slack).
-* `int4`: the same with `scale = absmax(block) / 7` and q in [-7, 7], stored as the nibble q + 8, two per
-  byte (element 2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of
-  codes, then nb float32 scales. |err| <= scale / 2 per element (same slack).
+* `bf16`: float32 rounded to nearest even to its top 16 bits, 2n bytes. Relative error <= 2^-8 (normal x).
+* `int8`: symmetric absmax quantization per block, `scale = absmax(block) / 127`, q in [-127, 127]:
+  nb * block codes, then nb float32 scales. |err| <= scale / 2 per element.
+* `int4`: the same with `scale = absmax(block) / 7`, q in [-7, 7], two codes per byte.
 
-A block of zeros has scale 0 and decodes to exact zeros. A block whose largest magnitude is tiny (below
-2^-112, where qmax / absmax would overflow float32 or the scale is subnormal) is quantized in float64
-against its stored scale, which is rounded up when float32 rounded it down: the bound is then half that
-stored scale. Non-finite inputs are not rejected here: with the quantized formats they poison their block's
-scale and decode as NaN, so the receiver's finiteness check (the syncer's "nonfinite" rejection) catches
+The bounds in full (subnormal, tiny and near-overflow values): docs/algorithm.md, "Codecs", and
+`error_bound`. Non-finite inputs are not rejected here; the receiver's finiteness check (`finite`) catches
 them in every format. The passes run chunk by chunk (`codec_kernels.py`).
 """
 
@@ -96,7 +87,29 @@ def _new_payload(size: int, codec: str, block: int) -> tuple[np.ndarray, np.ndar
 
 
 def encode(vec: np.ndarray, codec: str, block: int = 64, *, threads: int = 1) -> bytes:
-  """`vec` (any shape, read as flat float32) as the payload bytes of `codec` (see the module docstring)."""
+  """`vec` (any shape, read as flat float32) as the payload bytes of `codec`.
+
+  All little-endian; `n` elements, `nb = ceil(n / block)` blocks:
+
+  * `fp32`: the raw float32 values, 4n bytes.
+  * `bf16`: the top 16 bits of each float32 after round-to-nearest-even, 2n bytes. |err| <= 2^-8 |x| for
+    normal values (half a unit in the last place of an 8-bit significand); values below the float32 normal
+    range (|x| < 2^-126) have an absolute error <= 2^-134; values within half a bf16 ulp of the float32
+    maximum round to +-inf.
+  * `int8`: `scale = absmax(block) / 127`, `q = round(x / scale)` in [-127, 127]. Payload: nb * block int8
+    codes (the last block zero-padded), then nb float32 scales. |err| <= scale / 2 per element (up to
+    float32 rounding, a relative 2^-12 slack).
+  * `int4`: `scale = absmax(block) / 7` and q in [-7, 7], stored as the nibble q + 8, two per byte (element
+    2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of codes, then nb
+    float32 scales. |err| <= scale / 2 per element (same slack).
+
+  A block of zeros has scale 0 and decodes to exact zeros. A block whose largest magnitude is tiny (below
+  2^-112, where qmax / absmax would overflow float32 or the scale is subnormal) is quantized in float64
+  against its stored scale, which is rounded up when float32 rounded it down: the bound is then half that
+  stored scale. Non-finite inputs are not rejected: with the quantized formats they poison their block's
+  scale and decode as NaN, so the receiver's finiteness check (the syncer's "nonfinite" rejection) catches
+  them in every format.
+  """
   _check(codec, block)
   vec = np.ascontiguousarray(vec, dtype=np.float32).reshape(-1)
   if codec == "fp32":

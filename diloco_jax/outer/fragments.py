@@ -1,30 +1,14 @@
 """Fragment plans: which parameters travel together, as one flat float32 vector per fragment.
 
 The parameters (a nested dict pytree, e.g. flax nnx's pure dict; list indices may be int keys) are split
-into P fragments, each synced on its own schedule (`schedule.py`).
+into P fragments, each synced on its own schedule (`schedule.py`). A leaf is named by its path,
+`"/".join(str(k) for k in keys)`, e.g. `"layers/0/attn/q/kernel"`.
 
-A leaf is named by its path, `"/".join(str(k) for k in keys)`, e.g. `"layers/0/attn/q/kernel"`.
-
-Two plans:
-
-* `strided`: transformer layer i (the path element after `"layers"`) goes to fragment `i % P`, so every
-  fragment holds layers from the whole depth. Embeddings (and every other top-level group, e.g. rotary
-  tables) go to fragment 0; the final norm and the output head (top-level keys starting with `"final"`,
-  `"lm_head"` or `"head"`) go to fragment P - 1, so that both ends of the network do not sync together.
-* `balanced`: whole groups (each layer, and each other top-level key) are bin-packed greedily by bytes,
-  largest first, into the currently lightest fragment (ties: the lower fragment index; groups of equal
-  size are taken in path order), which evens out the bytes per sync when the embedding is large.
-
-Splitting. When the groups run out before P fragments (P = H, one fragment due every step, as Decoupled
-DiLoCo does, asks for more fragments than a model has layers), the plan takes the largest P' < P for which
-the rule above fills every fragment with at least half of the final mean (total / P / 2; else simply the
-largest P' it fills: no sliver such as a final norm alone keeps a sync slot to itself), then splits the
-largest fragment's flat vector in two (ties: the lower index; the cut at its middle element, moved to the
-nearest row boundary of the leaf it falls in when that leaves both halves non-empty) and puts the second
-half right after it, until there are P. A fragment is then a list of pieces `(path, start, stop)`: ranges
-of flattened leaves (`FragmentPlan.ranges`), whole leaves unless split. Every element of every leaf is in
-exactly one fragment; a P that cannot be reached (more fragments than elements, or than `sync_every`
-allows) raises ValueError naming `outer.num_fragments`.
+Two plans (`make_plan` gives the rules, the splitting of fragments when P exceeds the layer groups too):
+`strided` puts transformer layer i in fragment `i % P` (embeddings in fragment 0, the final norm and head
+in P - 1); `balanced` bin-packs whole groups by bytes. A fragment is a list of pieces `(path, start, stop)`
+of flattened leaves (`FragmentPlan.ranges`), whole leaves unless split; every element of every leaf is in
+exactly one fragment. docs/algorithm.md, "Learner", 2. Due fragments.
 """
 
 from __future__ import annotations
@@ -51,7 +35,7 @@ class FragmentPlan:
   shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[p][i]: the (whole) shape of paths[p][i]
   offsets: tuple[int, ...]  # offsets[p] in [0, sync_every)
   # ranges[p][i]: the (start, stop) of paths[p][i]'s flattened elements in fragment p (all of them unless
-  # the leaf was split, see the module docstring). Fragment p's vector: these pieces, in order.
+  # the leaf was split, see `make_plan`). Fragment p's vector: these pieces, in order.
   ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
   # sync_steps[p]: the steps fragment p is due at, ascending, under a non-periodic schedule; () = periodic.
   sync_steps: tuple[tuple[int, ...], ...] = ()
@@ -136,8 +120,24 @@ def plan_for_config(params: Any, config) -> FragmentPlan:
 
 
 def make_plan(params: Any, num_fragments: int, sync_every: int, kind: str = "strided") -> FragmentPlan:
-  """A periodic fragment plan for `params` (arrays or `jax.ShapeDtypeStruct` leaves). See the module
-  docstring."""
+  """A periodic fragment plan for `params` (arrays or `jax.ShapeDtypeStruct` leaves).
+
+  * `strided`: transformer layer i (the path element after `"layers"`) goes to fragment `i % P`, so every
+    fragment holds layers from the whole depth. Embeddings (and every other top-level group, e.g. rotary
+    tables) go to fragment 0; the final norm and the output head (top-level keys starting with `"final"`,
+    `"lm_head"` or `"head"`) go to fragment P - 1, so that both ends of the network do not sync together.
+  * `balanced`: whole groups (each layer, and each other top-level key) are bin-packed greedily by bytes,
+    largest first, into the currently lightest fragment (ties: the lower fragment index; groups of equal
+    size are taken in path order), which evens out the bytes per sync when the embedding is large.
+
+  Splitting. When the groups run out before P fragments (P = H, one fragment due every step, as Decoupled
+  DiLoCo does, asks for more fragments than a model has layers), the plan takes the largest P' < P for which
+  the rule above fills every fragment with at least half of the final mean (total / P / 2; else simply the
+  largest P' it fills: no sliver such as a final norm alone keeps a sync slot to itself), then splits the
+  largest fragment's flat vector in two (ties: the lower index; the cut at its middle element, moved to the
+  nearest row boundary of the leaf it falls in when that leaves both halves non-empty) and puts the second
+  half right after it, until there are P. A P that cannot be reached (more fragments than elements, or than
+  `sync_every` allows) raises ValueError naming `outer.num_fragments`."""
   if num_fragments < 1:
     raise ValueError(f"outer.num_fragments must be >= 1, got {num_fragments}")
   if sync_every < 1:

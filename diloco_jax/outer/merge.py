@@ -5,24 +5,14 @@ The syncer merges and steps in one fused, chunked pass in place (`apply_round`, 
 `nesterov.py`); `merge` is the same merge written plainly, and with the optax optimizer of
 `tools/bench/outer_reference.py` the reference the fused pass is tested against.
 
-A round merges pushes j (one period of one learner's work each: `tokens` tokens over `steps` inner steps,
-based on a global version `s` behind) into one outer gradient
+A round merges pushes j (one period of one learner's work each, based on a global version `s_j` behind)
+into one outer gradient
 
     merged = sum_j c_j v_j,     c_j = w_j / W * (1 + s_j)^-beta
 
-with the rule's raw weight w_j (`raw_weights`):
-
-    tokens:               w = tokens
-    tokens_sq_per_step:   w = tokens^2 / steps     ("quantity x quality", Decoupled DiLoCo)
-    uniform:              w = 1
-
-and W the raw weight of one period of every learner the round answers for (the syncer's choice, see
-`syncer/rules/rounds.py`: every counted learner, so that a round holding part of them moves the model by their share
-of the work, or only the round's contributors, a plain weighted mean). A learner that pushes two periods
-into one round has both merged, each with its own weight: its periods add up, they are not averaged. The
-staleness discount multiplies the coefficient after that normalization, so it holds even for a lone stale
-push. With RDA (radial-directional averaging) the merged vector is `(sum c |v|) * unit(sum c unit(v))`,
-which keeps the merged norm from shrinking like 1/sqrt(M) when the outer gradients are nearly orthogonal.
+with w_j the rule's raw weight (`raw_weights`) and W the raw weight of one period of every learner the
+round answers for (`merge_coefficients`); optionally in RDA form (`merge`). docs/algorithm.md, "Syncer",
+4. Merge.
 """
 
 from __future__ import annotations
@@ -51,7 +41,13 @@ def outer_gradient(base: np.ndarray, local: np.ndarray) -> np.ndarray:
 
 
 def raw_weights(tokens: Sequence[float], steps: Sequence[float], rule: str = "tokens") -> np.ndarray:
-  """Each push's weight under `rule` before normalization (float64), see the module docstring."""
+  """Each push's weight under `rule` before normalization (float64), for a push of `tokens` tokens over
+  `steps` inner steps:
+
+      tokens:               w = tokens
+      tokens_sq_per_step:   w = tokens^2 / steps     ("quantity x quality", Decoupled DiLoCo)
+      uniform:              w = 1
+  """
   if rule not in MERGE_RULES:
     raise ValueError(f"outer.merge must be one of {MERGE_RULES}, got {rule!r}")
   tokens = np.asarray(tokens, np.float64)
@@ -72,8 +68,13 @@ def merge_coefficients(raw: Sequence[float], period_weight: float, learners: int
   """The coefficients c_j = raw_j / period_weight * (1 + s_j)^-beta of a round's pushes (float64).
 
   `period_weight`: W, the raw weight of one period of each of the `learners` learners the round answers
-  for. If it is 0 (no push reported any tokens), each push gets 1 / learners: a round that closed should
-  still move the model. The discount is never renormalized away.
+  for (the syncer's choice, see `syncer/rules/rounds.py`: every counted learner, so that a round holding
+  part of them moves the model by their share of the work, or only the round's contributors, a plain
+  weighted mean). A learner that pushes two periods into one round has both merged, each with its own
+  weight: its periods add up, they are not averaged. If W is 0 (no push reported any tokens), each push gets
+  1 / learners: a round that closed should still move the model. The staleness discount multiplies the
+  coefficient after that normalization, so it holds even for a lone stale push: it is never renormalized
+  away.
   """
   raw = np.asarray(raw, np.float64)
   if raw.ndim != 1 or raw.size == 0 or (raw < 0).any():
@@ -92,7 +93,9 @@ def merge_coefficients(raw: Sequence[float], period_weight: float, learners: int
 
 
 def merge(deltas: Sequence[np.ndarray], coefficients: Sequence[float], rda: bool = False) -> np.ndarray:
-  """The merged outer gradient (float32): `sum_j c_j v_j`, or its RDA form `(sum c|v|) unit(sum c unit(v))`.
+  """The merged outer gradient (float32): `sum_j c_j v_j`, or its RDA form `(sum c|v|) unit(sum c unit(v))`
+  (radial-directional averaging), which keeps the merged norm from shrinking like 1/sqrt(M) when the outer
+  gradients are nearly orthogonal.
 
   The coefficients are used as given (not renormalized): they already say how far the round moves.
   """

@@ -1,8 +1,5 @@
-"""The raw-TCP data plane's framing: how Push and Pull payloads cross beside the gRPC control plane.
-
-Python gRPC moves a fragment at a fraction of a socket's rate (its per-message work and copies; see
-docs/benchmarks.md, "Transport"), so the syncer also listens on a plain TCP port (TLS when the service
-has TLS) that carries only payloads, each transfer on its own connection:
+"""The raw-TCP data plane's framing: Push and Pull payloads at socket speed, beside the gRPC control plane.
+One connection per transfer (TLS when the service has TLS); all integers little-endian:
 
     server -> client   HELLO   magic b"DLCD", version (1 byte), nonce (32 random bytes)
     client -> server   AUTH    HMAC-SHA256(run token, nonce) (32 bytes), op (b"P" push / b"G" pull),
@@ -10,15 +7,12 @@ has TLS) that carries only payloads, each transfer on its own connection:
     push:  client -> server    the payload: exactly PushHeader.total_size bytes
            server -> client    REPLY (below) with a PushResponse
     pull:  server -> client    REPLY with a PullHeader; if found, PullHeader.total_size payload bytes
-
     REPLY   status (1 byte: 0 ok, 1 refused), body length (u32), body: the protobuf (ok) or UTF-8 JSON
             {"reason", "message"} (refused; the reason a `reasons.Reason`)
 
-All integers little-endian. The token never crosses (only an HMAC of a fresh nonce, compared in constant
-time), a header or reply body is at most `MAX_HEADER_BYTES`, and payloads are read through
-`chunking.Reassembler` against a declared size that the receiver bounds first: memory grows with what
-arrives. Both ends time out every read. The gRPC service decides as for its own calls (the same core,
-limits, counters and refusals); this module is only the bytes.
+The token never crosses (`mac`), a header or reply body is at most `MAX_HEADER_BYTES`, payloads are read
+against a declared size the receiver bounds first (`recv_payload`), both ends time out every read. Only the
+bytes: the syncer decides (`syncer/server/dataplane.py`). Why not gRPC: docs/benchmarks.md, "Transport".
 """
 
 from __future__ import annotations
@@ -58,7 +52,8 @@ def parse_hello(data: bytes) -> bytes:
 
 
 def mac(token: str, nonce: bytes) -> bytes:
-  """The client's proof of the run token for this connection."""
+  """The client's proof of the run token for this connection: an HMAC of the server's fresh nonce (the
+  token itself never crosses), which the server compares in constant time."""
   return hmac.new(token.encode(), b"diloco-data-plane:" + nonce, hashlib.sha256).digest()
 
 
@@ -110,9 +105,10 @@ def recv_frame(sock: socket.socket, what: str) -> tuple[int, bytes]:
 
 def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: None,
                  pool: BufferPool | None = None) -> bytearray:
-  """`total` bytes (declared by the sender and bounded by the caller) through a Reassembler, which
-  holds only what arrived (or copies into a free buffer of that size from `pool`, which keeps the result
-  for later transfers); `on_chunk(n)` after each read (byte counts, WAN pacing)."""
+  """`total` bytes (declared by the sender and bounded by the caller) through a `chunking.Reassembler`,
+  which holds only what arrived, so memory grows with what arrives (or copies into a free buffer of that
+  size from `pool`, which keeps the result for later transfers); `on_chunk(n)` after each read (byte
+  counts, WAN pacing)."""
   into = pool.take(total) if pool is not None else None
   payload = Reassembler(total, what, into=into)
   buf = bytearray(min(IO_CHUNK, max(total, 1)))

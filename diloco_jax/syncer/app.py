@@ -1,24 +1,18 @@
 """The syncer process: `python -m diloco_jax syncer`.
 
-    python -m diloco_jax syncer --config configs/tiny_cpu.py --workdir runs/syncer \\
+    python -m diloco_jax syncer --config configs/tiny_cpu.py --workdir runs/syncer \
         --bind 127.0.0.1:50051 --token-file secrets/run.token --run-id r1
 
 It builds the core from the config (`syncer/build.py`: the global fragments start from the learners'
-initial parameters), resumes from the latest checkpoint in `--workdir` and from its journal
-(`WORKDIR/journal.json`: versions never go backwards, event counters go on), serves it over gRPC
-(`syncer/service.py`, with the token, TLS and bind rules of `syncer/auth.py`), closes rounds on time
-(`syncer/ticker.py`), and checkpoints every `syncer.checkpoint_every_rounds` closed rounds and at shutdown
-(SIGTERM/SIGINT: calls in flight get `syncer.shutdown_grace_s`, the open rounds are closed with what they
-hold, then a final checkpoint is written and waited for). The bound port is written to
-`WORKDIR/syncer.port` (for launchers that bind port 0), the resolved config to `WORKDIR/config.json`
-(fingerprint beside it), every new version to `WORKDIR/versions.jsonl`, and the syncer's metrics over
-time (`syncer/monitor.py`) to `WORKDIR/metrics.jsonl` and TensorBoard event files in `WORKDIR`. Recovery
-protocol: docs/operations.md.
+initial parameters), resumes from the latest checkpoint in `--workdir` and from its journal, serves it over
+gRPC (`syncer/server/grpc_service.py`, with the token, TLS and bind rules of `syncer/server/auth.py`),
+closes rounds on time (`syncer/ticker.py`), and checkpoints every `syncer.checkpoint_every_rounds` closed
+rounds and at shutdown (SIGTERM/SIGINT). The bound port is written to `WORKDIR/syncer.port`. What else it
+writes, shutdown and recovery: docs/operations.md, "Start" and "Checkpoints and recovery".
 
 A sharded syncer is S of these processes, `--shard I --shards S` (I = 0..S-1), each with its own
-`--workdir` and port: shard I owns the fragments `placement.assign_shards` gives it (from the config's
-fragment plan, the same map every learner computes), and holds state, checkpoints, journal and epochs only
-for them. Learners list every shard's address, in shard order: `learner --syncer HOST0:PORT0,HOST1:PORT1`.
+`--workdir` and port. Learners list every shard's address, in shard order: `learner --syncer
+HOST0:PORT0,HOST1:PORT1`. docs/operations.md, "A sharded syncer".
 """
 
 from __future__ import annotations

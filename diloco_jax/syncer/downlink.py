@@ -2,40 +2,16 @@
 
 With `downlink_codec` "fp32" every pull is answered with the global fragment Theta_v itself (kind "full").
 With a lossy downlink codec the syncer never quantizes the weights: it publishes the quantized *change* of
-what learners hold. It keeps, per fragment, references R_v: exactly (bitwise, float32) what a learner
-holds after adopting version v, with R_0 = Theta_0 (learners build the initial fragment bitwise-identically
-from the seed). Each version v is published as a delta from one earlier version u = parent(v):
+what learners hold, from references R_v (exactly, bitwise, what a learner holds after adopting version v;
+R_0 = Theta_0, which learners build bitwise-identically from the seed):
 
     payload_v = encode(Theta_v - R_u, downlink_codec),   R_v = R_u + decode(payload_v)
 
-(one float32 add, which the learner repeats on its device with the same IEEE rounding; the syncer does
-both steps in one chunked pass, `codec.encode_residual`, into a reused buffer). The
-quantization residual Theta_v - R_v is part of the next delta from R_v (error feedback), so R trails Theta
-by at most one quantization error of one delta instead of drifting.
-
-The parent. With every learner in every round (K = M) each learner holds R_{v-1} when it waits for v, and
-parent(v) = v - 1. With a smaller quorum the global moves several times between two syncs of one
-learner, and a learner waits for the version that merges its own push while holding the version it last
-adopted, several behind. So a round is published as a delta from the version its contributors hold (the
-base version of its pushes, the one most of them hold if they differ), provided its reference is still
-kept. Each contributor holding it gets one delta per sync, as under K = M, not the full fragment or a
-chain; one holding another version gets the full fragment. A round publishes exactly one version (the
-recovery protocol names versions as a lifetime's rounds plus an offset). The syncer keeps the references of its last
-`history` versions (memory: `history` + 1 fragments per fragment, one of them a spare reused by the next
-commit; with 1, only the latest is kept, updated in place, and every round is one delta from it).
-
-A pull that holds R_u (`have_version == u`) gets the newest version >= its `min_version` that was published
-as a delta from u (kind "delta", `base_version` u); any other gets the latest R_v in fp32 (kind "full":
-joins, restarts, learners that fell further behind than the references kept).
-
-Epochs. A version number names a reference only within one syncer lifetime: a syncer restored from an
-older checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may
-still hold from before the crash. So the core draws a random nonzero 63-bit epoch when it is created and
-again on every restore (never checkpointed), stamps it on every `Published`, and a puller names the epoch of
-its reference too (`have_epoch`): a delta is served only to `have_epoch == epoch`. The one exception is
-`have_version == 0`: R_0 is the seed's initial fragment in every epoch of a run (a checkpoint at version 0
-holds it unchanged), so fresh learners, which hold R_0 before they ever heard of an epoch, still get their
-first delta.
+with u = parent(v), the version the round's contributors hold (`Downlink.parents`). The quantization
+residual Theta_v - R_v is part of the next delta (error feedback), so R trails Theta by at most one
+quantization error of one delta instead of drifting. A pull holding R_u of this syncer's epoch gets a
+delta from u; any other gets the latest R in fp32 (`Downlink.answer`). The whole rule: docs/algorithm.md,
+"Syncer", 7. Downlink; epochs: docs/operations.md, "Lifetimes, epochs and versions".
 """
 
 from __future__ import annotations
@@ -54,13 +30,25 @@ ANSWER_POOL_BYTES = 1 << 30  # full answers' buffers kept for reuse (a fresh one
 
 
 def new_epoch() -> int:
-  """A random nonzero 63-bit syncer epoch (0 means "unknown" on the wire; 63 bits fit signed int64 too)."""
+  """A random nonzero 63-bit syncer epoch (0 means "unknown" on the wire; 63 bits fit signed int64 too).
+
+  A version number names a reference only within one syncer lifetime: a syncer restored from an older
+  checkpoint counts its versions up again from there, and its new R_v is not the R_v a learner may still hold
+  from before the crash. So the core draws a new epoch when it is created and again on every restore (never
+  checkpointed), stamps it on every `Published`, and a puller names the epoch of its reference
+  (`have_epoch`): a delta is served only to `have_epoch == epoch` (the one exception: `Downlink.answer`)."""
   return secrets.randbelow(2**63 - 1) + 1
 
 
 class Downlink:
   """The references R of the last `history` versions, their deltas and the cached full answer of every
-  fragment. Not thread-safe: the core calls it under its lock."""
+  fragment. Not thread-safe: the core calls it under its lock.
+
+  R_v = R_u + decode(payload_v) is one float32 add, which the learner repeats on its device with the same
+  IEEE rounding; the syncer does the subtraction, encode and add in one chunked pass
+  (`codec.encode_residual`) into a reused buffer. Memory: `history` + 1 fragments per fragment, one of them
+  a spare reused by the next commit; with `history` 1 only the latest reference is kept, updated in place,
+  and every round is one delta from it. With fp32 the reference is the global fragment itself."""
 
   def __init__(self, sizes: Sequence[int], codec: str, block: int, initial: Sequence[np.ndarray], epoch: int,
                threads: int = 1, history: int = 1):
@@ -86,7 +74,14 @@ class Downlink:
   def parents(self, p: int, held: Sequence[int] = ()) -> list[int]:
     """The version a round's publication starts from: the one of `held` (its pushes' base versions) whose
     reference is kept that most of them hold (ties: the newest); else the latest. One per round: a
-    syncer's versions are its rounds plus an offset fixed per lifetime (`protocol.EpochRecord`)."""
+    syncer's versions are its rounds plus an offset fixed per lifetime (`protocol.EpochRecord`).
+
+    Why the held version: with every learner in every round (K = M) each learner holds R_{v-1} when it
+    waits for v, and the parent is v - 1. With a smaller quorum the global moves several times between two
+    syncs of one learner, and a learner waits for the version that merges its own push while holding the
+    version it last adopted, several behind. Publishing from the version the contributors hold gives each
+    of them one delta per sync, as under K = M, not the full fragment or a chain; a contributor holding
+    another version gets the full fragment."""
     counts = collections.Counter(v for v in held if v in self._refs[p])
     return sorted(counts, key=lambda v: (counts[v], v))[-1:] or [self._versions[p]]
 
@@ -124,7 +119,14 @@ class Downlink:
 
   def answer(self, p: int, min_version: int, have_version: int, have_epoch: int) -> Published:
     """The newest delta to a version >= `min_version` from the reference the puller holds, if one was
-    published, else the full latest R (see the module docstring)."""
+    published, else the full latest R.
+
+    A pull holding R_u (`have_version == u`, `have_epoch` this syncer's epoch) gets the newest version >=
+    `min_version` published as a delta from u (kind "delta", `base_version` u); any other gets the latest R
+    in fp32 (kind "full": joins, restarts, learners further behind than the references kept). The one
+    exception to the epoch match is `have_version == 0`: R_0 is the seed's initial fragment in every epoch
+    of a run (a checkpoint at version 0 holds it unchanged), so fresh learners, which hold R_0 before they
+    ever heard of an epoch, still get their first delta."""
     # R_0 is the same in every epoch; any later reference only matches ours if it came from this epoch.
     if self.is_delta and have_version >= 0 and (have_epoch == self.epoch or have_version == 0):
       for version in sorted(self._deltas[p], reverse=True):

@@ -4,17 +4,9 @@
 
 A RUN is the workdir of `local` or `train` (Decoupled DiLoCo: `learner_<i>/`, `global/`, `syncer/`) or of
 `baseline` (data-parallel: `metrics.jsonl` at its top); it may still be running. Written to `--out`
-(default `<first RUN>/plots`):
-
-  eval_loss.png  eval loss against tokens: each DiLoCo run's global model (`global/metrics.jsonl`, tokens
-                 merged) and each baseline's model, overlaid
-  step_rate.png  inner steps per second of each learner (and each baseline) over wall time
-  versions.png   each fragment's version over wall time (`syncer/metrics.jsonl`)
-  bytes.png      bytes on the wire per learner against the run's tokens, with the data-parallel all-reduce
-                 bytes per worker: a baseline RUN's, else computed for the DiLoCo run's devices
-                 (2 (n-1)/n x 4 bytes x params per step, n = learners.num x learners.devices)
-
-A figure with nothing to show for any RUN (e.g. versions for a baseline alone) is not written.
+(default `<first RUN>/plots`): `eval_loss.png`, `step_rate.png`, `versions.png` and `bytes.png`, what each
+shows in docs/observability.md, "Plots". A figure with nothing to show for any RUN (e.g. versions for a
+baseline alone) is not written.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@
   python -m diloco_jax status --syncer 127.0.0.1:50051 --token-file runs/default/token
 
 The run token comes from `--token-file` or $DILOCO_TOKEN (`python -m diloco_jax local` writes it to
-`WORKDIR/token` and prints the syncer's port). Shown: the syncer (uptime, live learners, goodput so far:
-the syncer's estimate, see `SyncerCore.status`), one row per learner (alive, inner step and step time from
-its heartbeats, seconds since its last accepted push, steps merged, lease left), one row per fragment
-(version, the learners in its open round and the grace deadline), and the counters (rounds, merges,
-rejections by reason, bytes, tokens merged). `--watch` redraws every `--interval` seconds until Ctrl-C;
-`--json` prints the raw status instead. The command is an observer: it never joins, so it changes nothing.
+`WORKDIR/token` and prints the syncer's port). Shown: the syncer (uptime, live learners, goodput so far),
+one row per learner, one row per fragment, and the counters; what each column means: docs/observability.md,
+"Status of a live syncer". `--watch` redraws every `--interval` seconds until Ctrl-C; `--json` prints the
+raw status instead. The command is an observer: it never joins, so it changes nothing.
 
 A sharded syncer: `--syncer HOST:PORT,HOST:PORT` (every shard, in shard order) shows each shard's tables
 in turn (its learners as that shard sees them, its fragments, its counters); `--json` prints the combined

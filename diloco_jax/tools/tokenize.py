@@ -2,22 +2,15 @@
 
   python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data corpus/ --out data/tokens --shards 16
 
-Every file of `--data` (a file or a directory, local or gs://; hidden files skipped) is one document. A file
-goes to the eval split by the same path-hash rule as the byte-level corpus (`--eval-fraction`; a single
-file holds out its tail instead, cut at a line end). Each document is encoded and followed by the
-tokenizer's eos id; train documents go, in sorted order, to whichever of the `--shards` train files holds
-the fewest tokens so far (so they end up balanced and disjoint), eval documents to `--eval-shards` files.
-
-Output in `--out` (local or gs://; gs:// output is written locally first, then copied):
-
-  train-00000-of-00016.array_record ...   records of `--chunk-tokens` consecutive tokens of the file's stream
-  eval-00000-of-00001.array_record         (the last record of a file may be shorter), little-endian uint16
-  tokens.json                              (uint32 above 65,536 pieces); the tokenizer's path and sha256,
-                                           and per file its documents, tokens and text bytes
+Every file of `--data` (a file or a directory, local or gs://; hidden files skipped) is one document,
+encoded and followed by the tokenizer's eos id. Train documents are balanced over the `--shards` train
+files, eval documents (by the byte corpus's path-hash rule, `--eval-fraction`) go to `--eval-shards`
+files; `--out` (local or gs://) gets `train-*-of-*.array_record`, `eval-*-of-*.array_record` and
+`tokens.json`. The rules and the record format: docs/operations.md, "Data".
 
 A config reads them with `data.format="array_record"`, `data.tokenizer=FILE`,
 `data.train_files="DIR/train-*.array_record"` and `data.eval_files="DIR/eval-*.array_record"`
-(`data/pipeline.py`'s `TokenWindows`).
+(`data/token_windows.py`'s `TokenWindows`).
 """
 
 from __future__ import annotations

@@ -3,19 +3,13 @@
 It implements `protocol.Transport`, like `transports/inprocess.py`, so the learner's background worker
 does not know which one it holds. Calls block; the worker calls them, never the inner loop.
 
-* Retries (`retry.py`): while the syncer is unreachable or busy a call is retried with backoff until
-  `unreachable_deadline_s`; a refusal by the core raises the core's `Rejected`, a bad token `AuthError`,
-  anything else `SyncerError` (`errors.py`). A failed gRPC call becomes an `errors.CallFailed`, as a
-  data-plane refusal does, so both planes are retried and translated alike.
-* `close()` ends the calls in flight and any retry wait at once (they raise `SyncerUnreachable`): a
-  learner shutting down is never held by the network.
-* Byte counters (`traffic.Traffic`): `bytes_sent` / `bytes_received` count every gRPC message of every call,
-  exactly as `msg.ByteSize() + 5` (the serialized protobuf plus gRPC's 5-byte length-prefix frame header).
-  Not counted: HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed
-  call headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers.
-  Retried attempts count again: they crossed the wire again.
-* WAN emulation: an optional `wan.WanLink` paces every chunk on its way out and in, and, with a cut-off
-  file, drops calls while the link is down (retried as if the syncer were unreachable), on either plane.
+* Retries (`retry.py`): an unreachable or busy syncer is retried with backoff until
+  `unreachable_deadline_s`; errors are the transports' own (`errors.py`), on both planes alike.
+* `close()` ends the calls in flight and any retry wait at once: a learner shutting down is never held by
+  the network.
+* Byte counters (`traffic.Traffic`): every gRPC message of every call, retries included (`bytes_sent`).
+* WAN emulation: an optional `wan.WanLink` paces every chunk and, with a cut-off file, drops calls while
+  the link is down, on either plane.
 * Data plane (`dataplane_client.py`): when the syncer's Join names a data port, push and pull payloads
   travel over raw TCP at socket speed; if a transfer breaks, the same attempt goes over gRPC.
 """
@@ -82,6 +76,12 @@ def _channel(target: str, *, tls_ca, tls_cert, tls_key, tls_server_name, max_mes
 
 class GrpcTransport:
   """A learner's connection to the gRPC syncer; implements `protocol.Transport`. Thread-safe.
+
+  Errors: a refusal by the core raises the core's `Rejected`, a bad token `AuthError`, a syncer still
+  unreachable at `unreachable_deadline_s` (or a closed client) `SyncerUnreachable`, anything else
+  `SyncerError`. A failed gRPC call becomes an `errors.CallFailed`, as a data-plane refusal does, so both
+  planes are retried and translated alike. An emulated link that is cut off drops calls, which are retried
+  as if the syncer were unreachable.
 
   Args:
     target: `host:port` of the syncer.
@@ -152,6 +152,11 @@ class GrpcTransport:
 
   @property
   def bytes_sent(self) -> int:
+    """Bytes of every gRPC message of every call, exactly as `msg.ByteSize() + 5` (the serialized protobuf
+    plus gRPC's 5-byte length-prefix frame header), and of the data plane's framing and payloads. Not
+    counted: HTTP/2 frame headers (9 bytes per DATA frame, i.e. < 0.01% at 1 MiB chunks), HPACK-compressed
+    call headers and metadata (tens of bytes per call after the first), TLS records and TCP/IP headers.
+    Retried attempts count again: they crossed the wire again. `bytes_received` likewise."""
     return self._traffic.bytes_sent
 
   @property

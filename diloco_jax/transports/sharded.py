@@ -2,22 +2,13 @@
 
 A sharded syncer is S syncer processes, shard I owning the fragments `placement.assign_shards` gives it.
 This transport routes a push or pull of fragment p to the shard that owns it (`owners[p]`, computed from the
-config by every process alike) and fans membership out to every shard:
+config by every process alike) and fans membership out to every shard: `join` and `leave` go to every shard
+concurrently, `heartbeat` renews the lease on every shard without a shard that is down delaying the others,
+and `status` combines the shards' answers (`combine_status`).
 
-* `join` and `leave` go to every shard, concurrently, and return when all answered; `join` merges the
-  versions each shard answers for its own fragments, and refuses (`Reason.WRONG_SHARD`) a shard that answers for
-  other fragments than `owners` gives it (addresses in the wrong order, another shard count).
-* `heartbeat` renews the lease on every shard, each on its own thread, at most one beat in flight per shard,
-  so a shard that is down (its call retrying) never delays the beats the other shards need to keep the
-  learner's leases. A shard that forgot the learner (it restarted, or the lease lapsed) is joined again on
-  that thread, that shard only.
-* `status` asks every shard and combines the answers (`combine_status`); `shards` holds each one's.
-
-Epochs. Each shard has its own epoch and lifetime history (it restarts alone). The learner's recovery
-knows one syncer epoch and one history, so this transport shows it one (`_Epochs`): a combined epoch that
-changes whenever any shard's does, and a combined history that answers, for each fragment, what the
-history of the fragment's own shard says. Epochs the learner sends back (`have_epoch`, `base_epoch`) are
-translated to the shard's own.
+Epochs. Each shard has its own epoch and lifetime history (it restarts alone). The learner's recovery knows
+one syncer epoch and one history, so this transport shows it one (`_Epochs`), and translates the epochs the
+learner sends back (`have_epoch`, `base_epoch`) to the shard's own.
 
 Each shard keeps its own leases from the heartbeats that reach it, and quorums are per fragment, so a shard
 needs only its own view of who is live; docs/architecture.md ("Sharded syncer").
@@ -262,7 +253,10 @@ class ShardedTransport:
   # ---- membership ----
 
   def join(self, learner_id: int, fingerprint: str) -> Versions:
-    """Join every shard; {fragment: version} of the whole model, with the combined epoch and history."""
+    """Join every shard, concurrently, and return when all answered: {fragment: version} of the whole
+    model (the versions each shard answers for its own fragments, merged), with the combined epoch and
+    history. Refuses (`Reason.WRONG_SHARD`) a shard that answers for other fragments than `owners` gives it
+    (addresses in the wrong order, another shard count)."""
     with self._lock:
       self._fingerprint = fingerprint
     answers = self._all(lambda t: t.join(learner_id, fingerprint))
@@ -292,9 +286,14 @@ class ShardedTransport:
     self._epochs.see(s, epoch or 0)
 
   def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None, blocked: bool = False) -> int:
-    """Renew the lease on every shard whose previous beat has finished (module docstring); waits up to
-    `BEAT_WAIT_S` for the beats it started, raises the first error among those that finished, and returns
-    the combined epoch (a shard that restarted changes it)."""
+    """Renew the lease on every shard whose previous beat has finished; waits up to `BEAT_WAIT_S` for the
+    beats it started, raises the first error among those that finished, and returns the combined epoch (a
+    shard that restarted changes it).
+
+    Each shard's beat runs on its own thread, at most one in flight per shard, so a shard that is down (its
+    call retrying) never delays the beats the other shards need to keep the learner's leases. A shard that
+    forgot the learner (it restarted, or the lease lapsed) is joined again on that thread, that shard
+    only."""
     started = {}
     with self._lock:
       for s in range(len(self.shards)):
@@ -338,6 +337,8 @@ class ShardedTransport:
     return self._all(lambda t: t.status())
 
   def status(self) -> dict:
+    """Every shard's status combined (`combine_status`), with the combined epoch; the combined status's
+    `shards` holds each shard's own."""
     statuses = self.shard_statuses()
     for s, status in enumerate(statuses):
       self._epochs.see(s, int(status.get("epoch", 0)))

@@ -1,25 +1,16 @@
 """WAN emulation inside the client: a bandwidth cap and a one-way latency, with no root and no tc/netem.
 
-A learner's link to the syncer is modelled as two independent directions (up: learner -> syncer, down:
-syncer -> learner), each with
-
-  * a token bucket of `bandwidth` bytes/s (burst `burst_bytes`): every chunk waits until the bucket has paid
-    for its bytes, so a transfer of n bytes takes about n / bandwidth seconds, and concurrent transfers of
-    one learner share the cap (the bucket is thread-safe);
-  * a one-way propagation latency paid once per message stream, on its first chunk. Chunks of one stream
-    are pipelined on a real link, so a transfer of n bytes costs `latency + n / bandwidth`, and a call with
-    a reply costs one round trip (2 * latency) plus both transfers.
+A learner's link to the syncer is two independent directions (up: learner -> syncer, down: syncer ->
+learner), each a token bucket of `bandwidth` bytes/s and a one-way latency paid once per message stream:
+a transfer of n bytes costs about `latency + n / bandwidth`, and a call with a reply one round trip
+(2 * latency) plus both transfers (`WanLink`).
 
 The arithmetic (`ratelimit.TokenBucket.reserve`, shared with the syncer's rate limits) is a pure function
 of a clock; `WanLink` only adds the sleeps, so tests drive it with a fake clock or measure it with the real
 one.
 
-Cut-off (chaos testing): with `cutoff_file`, the link is down while that file exists, whichever process
-creates it (`python -m diloco_jax chaos` touches one per learner). A call that starts while the link is
-down, and an idempotent answer (pull, heartbeat, join) that arrives while it is down, are lost
-(`LinkDown`), which the client treats like an unreachable syncer: it retries with backoff. A push receipt
-is not dropped: a push lost after the syncer accepted it would be retried and merged twice, which is the
-duplicate-push problem and not what a cut-off is meant to exercise.
+Cut-off (chaos testing): with `cutoff_file`, the link is down while that file exists (`check_link`), and
+the client retries as if the syncer were unreachable.
 """
 
 from __future__ import annotations
@@ -52,7 +43,12 @@ class WanSpec:
 
 
 class WanLink:
-  """Applies a WanSpec to a client's chunks. Thread-safe; share one per learner (one physical link)."""
+  """Applies a WanSpec to a client's chunks. Thread-safe; share one per learner (one physical link).
+
+  Per direction, a token bucket of the spec's bytes/s (burst `burst_bytes`): every chunk waits until the
+  bucket has paid for its bytes, so a transfer of n bytes takes about n / bandwidth seconds, and concurrent
+  transfers of one learner share the cap (the bucket is thread-safe). The one-way latency is paid once per
+  message stream, on its first chunk: chunks of one stream are pipelined on a real link."""
 
   def __init__(self, spec: WanSpec, clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep):
@@ -74,7 +70,14 @@ class WanLink:
       self._sleep(wait)
 
   def check_link(self) -> None:
-    """Raise `LinkDown` while the link is cut off."""
+    """Raise `LinkDown` while the link is cut off: while `cutoff_file` exists, whichever process creates it
+    (`python -m diloco_jax chaos` touches one per learner).
+
+    The client calls it before a call and on an answer: a call that starts while the link is down, and an
+    idempotent answer (pull, heartbeat, join) that arrives while it is down, are lost, which the client
+    treats like an unreachable syncer (it retries with backoff). A push receipt is not dropped: a push lost
+    after the syncer accepted it would be retried and merged twice, which is the duplicate-push problem and
+    not what a cut-off is meant to exercise."""
     if self.spec.cutoff_file and os.path.exists(self.spec.cutoff_file):
       raise LinkDown(f"emulated link cut off ({self.spec.cutoff_file} exists)")
 

@@ -3,20 +3,16 @@
 Pure functions of numbers, shared by the syncer's round rules (`syncer/rules/rounds.py`) and the scale
 simulator (`tools/sim/`), so that what the simulator predicts is what the syncer does.
 
-The grace rule (the paper's "Eq. 3", made explicit). A learner that pushed fragment p at its snapshot
-adopts the merged result tau inner steps later. Counting from the moment the round opened (its first
-contribution), the merged fragment must be out before the first contributor needs it:
+The grace rule (the paper's "Eq. 3", made explicit; per learner in `round_grace_s`). Counting from the
+round's opening (its first contribution), the merged fragment must be out before the first contributor
+adopts it, tau of its inner steps after its push:
 
     budget   = tau * step_time                  # time until the earliest contributor adopts
     slack    = budget - t_quorum - t_sync       # t_quorum: open -> K-th contribution; t_sync: merge + send
     grace    = clip(gamma * slack, min_grace_s, max_grace_s)
 
-gamma < 1 keeps a safety margin. Per learner: with contributors of different speeds, each contributor c
-(arrived a_c after the opening, robust step time step_c) needs the result at a_c + tau * step_c, so the
-budget is the earliest of these, `min_c (a_c + tau * step_c)` over the contributors in at the quorum (for
-the opener, a_c = 0: the formula above). With min_grace_s = max_grace_s = 0 the syncer closes at quorum
-(K=1 and no grace is the "no grace window" ablation of the paper). A round also closes early as soon as
-every live learner has contributed: there is nobody left to wait for.
+A round also closes as soon as every live learner has contributed (`round_close_time`: the whole rule).
+docs/algorithm.md, "Syncer", 2. Quorum and 3. Grace window.
 """
 
 from __future__ import annotations
@@ -28,8 +24,10 @@ from typing import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class QuorumPolicy:
-  """How a round closes. See the module docstring for the rule. No defaults and no checks: the syncer's
-  come from the run's resolved config (`SyncerSettings.from_spec`), the simulator's from its flags."""
+  """How a round closes (the rule: the module docstring and `round_close_time`). No defaults and no checks:
+  the syncer's come from the run's resolved config (`SyncerSettings.from_spec`), the simulator's from its
+  flags. gamma < 1 keeps a safety margin. With min_grace_s = max_grace_s = 0 the syncer closes at quorum
+  (K = 1 and no grace is the "no grace window" ablation of the paper)."""
 
   min_quorum: int  # K (>= 1): contributions needed before a round may close
   tau: int  # overlap steps between a learner's snapshot and its adoption of the merged fragment
@@ -62,7 +60,10 @@ def adoption_budget_s(tau: int, offsets_s: Sequence[float], step_times_s: Sequen
 def round_grace_s(policy: QuorumPolicy, offsets_s: Sequence[float], step_times_s: Sequence[float],
                   t_quorum_s: float, t_sync_s: float) -> float:
   """The grace window of a round whose quorum was reached `t_quorum_s` after its opening, per learner:
-  Eq. 3 with tau * step_time replaced by `adoption_budget_s` of the contributors in at the quorum."""
+  Eq. 3 with tau * step_time replaced by `adoption_budget_s` of the contributors in at the quorum. With
+  contributors of different speeds, each contributor c (arrived a_c after the opening, robust step time
+  step_c) needs the result at a_c + tau * step_c, so the budget is the earliest of these (for the opener,
+  a_c = 0: the one-step-time formula)."""
   slack = adoption_budget_s(policy.tau, offsets_s, step_times_s) - t_quorum_s - t_sync_s
   return min(max(policy.gamma * slack, policy.min_grace_s), policy.max_grace_s)
 
@@ -84,7 +85,8 @@ def round_close_time(
   at the first arrival), one per distinct learner. None if the quorum is not reached by these arrivals.
   `step_time_s`: the contributors' step times, one per arrival (in the same order), or one for all.
 
-  This is the whole policy in one function; the syncer core evaluates the same rule incrementally.
+  This is the whole policy in one function; the syncer core evaluates the same rule incrementally. A round
+  also closes early as soon as every live learner has contributed: there is nobody left to wait for.
   """
   if not arrivals:
     return None

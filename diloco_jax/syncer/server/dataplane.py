@@ -1,25 +1,14 @@
-"""The syncer's raw-TCP data plane (framing: `wire.py`): Push and Pull payloads at socket speed, beside the
-gRPC service, which stays the control plane (join, leave, heartbeat, status) and the fallback.
+"""The syncer's raw-TCP data plane (framing: `protocol/wire.py`): Push and Pull payloads at socket speed,
+beside the gRPC service, which stays the control plane (join, leave, heartbeat, status) and the fallback.
 
-Every decision is the gate's (`gate.py`), as for the gRPC front-end: the same core, limits (largest push,
-long-poll cap, call rate per caller), fingerprint check, learner-id bounds (observers, whose id is
-`protocol.OBSERVER_ID`, may pull) and counters; a push's header is the gRPC PushHeader
-(`protocol.convert`), idempotency key included, so a push retried over gRPC after its data-plane reply was
-lost is merged once. The core's and the gate's refusals travel back with their reason.
+Every decision is the gate's (`gate.py`), as for the gRPC front-end: the same core, limits, fingerprint
+check, learner-id bounds and counters; a push's header is the gRPC PushHeader (`protocol.convert`),
+idempotency key included, so a push retried over gRPC after its data-plane reply was lost is merged once.
+The core's and the gate's refusals travel back with their reason.
 
-Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
-its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
-spends its own budget), with slots of this plane's own (`slots.Slots`: at most
-`Limits.pushes_per_caller` pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads
-are bounded by `max_connections`).
-
-What this shell adds is the care a listening socket needs: the run token proven per connection (HMAC of
-a fresh nonce, constant-time compare), TLS when the service has it (the same certificate, and client
-certificates with mutual TLS), at most `max_connections` connections at once (more are closed at once), a
-timeout on every read (`io_timeout_s`: the service's `stream_stall_s`) and a deadline per transfer
-(`transfer_timeout_s`: its `stream_deadline_s`, a pull's long-poll not counted), so slow senders cannot
-hold a thread; a pull's long-poll ends when its client closes the connection; bounded headers, declared
-sizes checked before a byte is read, and payload memory that grows only with what arrived.
+What this shell adds is the care a listening socket needs: the run token proven per connection, TLS when
+the service has it, a bounded number of connections, a timeout on every read and a deadline per transfer,
+bounded headers and payload memory that grows only with what arrived (`DataPlaneServer`).
 """
 
 from __future__ import annotations
@@ -64,7 +53,22 @@ class DataPlaneLimits:
 
 class DataPlaneServer:
   """Listens on `host:port` (0: any free port) and serves transfers through `gate`. `push_slots`,
-  `pull_slots`: this plane's transfers in flight."""
+  `pull_slots`: this plane's transfers in flight.
+
+  Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
+  its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
+  spends its own budget), with slots of this plane's own (`slots.Slots`: at most `Limits.pushes_per_caller`
+  pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads are bounded by
+  `max_connections`). The gate's limits: the largest push, the long-poll cap, the call rate per caller;
+  observers (learner id `messages.OBSERVER_ID`) may pull.
+
+  Socket care: the run token proven per connection (HMAC of a fresh nonce, constant-time compare); TLS
+  when the service has it (the same certificate, and client certificates with mutual TLS); at most
+  `max_connections` connections at once (more are closed at once); a timeout on every read (`io_timeout_s`:
+  the service's `stream_stall_s`) and a deadline per transfer (`transfer_timeout_s`: its
+  `stream_deadline_s`, a pull's long-poll not counted), so slow senders cannot hold a thread; a pull's
+  long-poll ends when its client closes the connection; bounded headers, declared sizes checked before a
+  byte is read, and payload memory that grows only with what arrived."""
 
   def __init__(self, gate: SyncerGate, token: str, host: str = "127.0.0.1", port: int = 0, *, tls=None,
                limits: DataPlaneLimits = DataPlaneLimits()):

@@ -1,31 +1,19 @@
 """`python -m diloco_jax bench chaos`: goodput on the real runtime under one fault schedule, Decoupled
 DiLoCo beside data-parallel, beside what the simulator predicts for both.
 
-    python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \\
+    python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \
         --mtbf-s 15 --repair-s 10 --min-step-s 0.1 [--config.train.steps=3000] [--workdir runs/bench_chaos]
 
 (3,000 steps of tiny_cpu draw about 20 failures per strategy; a run of 1,000 draws 3 to 6, too few to
 compare with the simulator's rate. Four runs, about 30 minutes.)
 
-The schedule is the simulator's failure model on the real processes: learner failures arrive as a Poisson
-process (one every `--mtbf-s` seconds on average, over the whole job, on a seeded learner), each taking
-its learner out for `--repair-s` before it restarts from its checkpoint. (`--schedule FILE` replaces it
-with any `chaos` schedule.) The same schedule is applied to
-
-* Decoupled DiLoCo: `chaos`'s multi-process job (syncer + learners); a failure kills one learner (kill -9)
-  and restarts it after the repair delay; the others go on;
-* data-parallel: the `baseline` process on the same devices in total (learners x learners.devices), the
-  same global batch and steps; a failure stops the whole job (kill -9), which restarts from its last
-  checkpoint after the same repair delay (a stop or cut-off of one worker stalls the whole synchronous job:
-  SIGSTOP for its length; syncer faults have no data-parallel counterpart and are skipped).
-
-Each strategy also runs undisturbed. Goodput (each against its own undisturbed run, over the window in
-which every learner trains): tokens merged into the global model per second (data-parallel: tokens of
-the surviving trajectory per second) over the undisturbed rate. Beside them: `sim goodput`'s prediction
-(`diloco_jax.tools.sim.goodput.simulate`) for the same failure rate, repair time, restart cost (measured here:
-a restarted process's start-up to its first steps, plus the steps it trains again from its checkpoint),
-checkpoint interval, step time, H, P, tau and quorum. And each final eval loss beside its undisturbed
-one. Report: WORKDIR/bench_chaos.json.
+The schedule is the simulator's failure model on the real processes (`failure_schedule`; `--schedule FILE`
+replaces it with any `chaos` schedule): a failure kills one Decoupled DiLoCo learner, the others go on; it
+stops the whole data-parallel job (`_dp_run`). Each strategy also runs undisturbed. Goodput (each against
+its own undisturbed run): tokens merged into the global model per second over the undisturbed rate,
+beside `sim goodput`'s prediction for the same failure rate, repair time, restart cost, checkpoint
+interval and schedule (`sim_configs`), and each final eval loss beside its undisturbed one. Report:
+WORKDIR/bench_chaos.json. docs/benchmarks.md, "Failures: `bench chaos`".
 """
 
 from __future__ import annotations
@@ -55,7 +43,10 @@ from diloco_jax.tools.sim import goodput as sim_goodput
 def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
                      horizon_s: float = 7200.0) -> list[chaos_schedule.Event]:
   """Learner kills at the times of a Poisson process of mean interval `mtbf_s` (job-wide), each on a
-  uniformly drawn learner, each restarted after `repair_s`."""
+  uniformly drawn learner, each restarted after `repair_s` (from its checkpoint): the simulator's failure
+  model on the real processes. The same schedule is applied to Decoupled DiLoCo (`chaos`'s multi-process
+  job, syncer + learners: a failure kills one learner with kill -9 and restarts it after the repair delay;
+  the others go on) and to data-parallel (`_dp_run`)."""
   rng = np.random.default_rng(seed)
   events, t = [], 0.0
   while True:
@@ -70,7 +61,11 @@ def failure_schedule(seed: int, learners: int, mtbf_s: float, repair_s: float,
 
 def _dp_run(config_argv: list[str], devices: int, workdir: pathlib.Path, events: list[chaos_schedule.Event], say,
             timeout_s: float) -> dict:
-  """The baseline process under `events` (see the module docstring); returns its raw record."""
+  """The baseline process under `events`; returns its raw record. It runs on the same devices in total
+  (learners x learners.devices), the same global batch and steps; a failure stops the whole job (kill -9),
+  which restarts from its last checkpoint after the same repair delay (a stop or cut-off of one worker
+  stalls the whole synchronous job: SIGSTOP for its length; syncer faults have no data-parallel
+  counterpart and are skipped)."""
   if workdir.exists():
     shutil.rmtree(workdir)
   (workdir / "logs").mkdir(parents=True)
@@ -193,7 +188,10 @@ def _learner_restart_cost(workdir: pathlib.Path, report: dict) -> float | None:
 def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, diloco_ref: dict,
                 dp_ref: dict, repair_s: float) -> dict[str, sim_goodput.SimConfig]:
   """The simulator's configurations for both strategies, from what was measured (one slice per learner,
-  the job-wide failure rate 1 / mtbf_s)."""
+  the job-wide failure rate 1 / mtbf_s): `sim goodput`'s prediction (`diloco_jax.tools.sim.goodput
+  .simulate`) for the same failure rate, repair time, restart cost (measured: a restarted process's
+  start-up to its first steps, plus the steps it trains again from its checkpoint), checkpoint interval,
+  step time, H, P, tau and quorum."""
   o, ckpt = config_lib.resolve(config).outer, config.train.checkpoint_every
   dp_step = dp_ref["window_s"] / dp_ref["steps_in_window"]
   dl_step = diloco_ref["step_time_s"]
@@ -293,7 +291,10 @@ def bench_chaos(argv) -> int:
 
 def _result(config, events, dl: dict, dl_ref: dict, dp: dict, dp_ref: dict, sims: dict, predicted: dict, *,
             mtbf: float, repair: float) -> dict:
-  """The figures of both strategies beside the simulator's (what bench_chaos.json holds)."""
+  """The figures of both strategies beside the simulator's (what bench_chaos.json holds). Goodput, each
+  against its own undisturbed run, over the window in which every learner trains: tokens merged into the
+  global model per second (data-parallel: tokens of the surviving trajectory per second) over the
+  undisturbed rate."""
   learners = config.learners.num
   result = {
       "learners": learners, "steps": config.train.steps, "mtbf_s": mtbf, "repair_s": repair,

@@ -3,24 +3,14 @@
 Mixed-speed learners under the paper's three quorum settings, on the same learner set and token budget:
 K = M (every live learner), K = 1 without a grace window, and K = 1 with the adaptive grace window. By
 default half the learners run 18% slower (speed 1/1.18 = 0.847) with 10% step-time noise, emulated by
-stretching every inner step (`learner/pace.py`) to `step_s / speed` seconds: `--step-s`, or by default
-twice the median step time measured first with all M learners running at once, unstretched (so that load
-on the machine does not change the emulated speeds). Each setting prints
+stretching every inner step (`learner/pace.py`) to `step_s / speed` seconds (`--step-s`, or by default
+`calibrate_step_s`). Each setting prints its goodput, the simulator's (`sim/goodput.py`), the eval loss,
+contributors per round, late pushes and the bytes received (`format_result`); then the data-parallel
+baseline on the same token budget (`baseline_config`) and the paper's three rows. `--processes` runs each
+setting as a syncer and M learner processes over gRPC (`python -m diloco_jax local`); every run's files
+stay in `--workdir/<setting>`. docs/benchmarks.md, "Mixed-speed learners".
 
-  goodput      mean over learners of inner-step time / (inner-step time + time blocked on the outer loop)
-  sim          the outer-loop simulator's goodput for the same setting (`sim/goodput.py`, called here with
-               the measured speed-1 step time and sync time), and beside K = M the lockstep expectation,
-               the mean over learners of slowest speed / own speed
-  eval loss    of the syncer's global model at the end, on the held-out batches
-  per round    distinct contributors per closed round; late: pushes based on an older version
-  rx           bytes each learner received (the downlink), MiB
-
-then the data-parallel baseline on the same token budget (`train.steps` x `data.global_batch`, on one
-learner's devices: `baseline_config`) and the paper's three rows (8 learners, TPU v6e beside v5p). `--processes` runs each setting as a syncer and M
-learner processes over gRPC (`python -m diloco_jax local`) instead of one process; every run's files stay
-in `--workdir/<setting>` (the syncer's per-round decisions in `syncer/rounds.jsonl`).
-
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m diloco_jax bench hetero \\
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m diloco_jax bench hetero \
       --config configs/tiny_cpu.py --config.train.steps=2000 --config.data.max_bytes=2000000
 """
 
@@ -118,7 +108,8 @@ def baseline_config(config):
 
 def calibrate_step_s(config, steps: int = 40) -> float:
   """Twice the slowest learner's median inner-step time with all M learners running at once, unstretched
-  (the emulated step must be longer than the real one for every learner to run at its emulated speed)."""
+  (the emulated step must be longer than the real one for every learner to run at its emulated speed; and
+  measured with all of them running, so that load on the machine does not change the emulated speeds)."""
   # A step time far below the real one: every step is paced (it waits for the device, so the step time
   # the learner measures is its computation, not its dispatch) but never stretched.
   c = _with(config, {"train.steps": steps, "train.warmup_steps": min(config.train.warmup_steps, steps),
@@ -265,6 +256,20 @@ def goals(rows: dict) -> dict:
 
 
 def format_result(result: dict) -> str:
+  """The table: per setting
+
+    goodput      mean over learners of inner-step time / (inner-step time + time blocked on the outer loop)
+    sim          the outer-loop simulator's goodput for the same setting (`sim/goodput.py`, called here with
+                 the measured speed-1 step time and sync time), and beside K = M the lockstep expectation,
+                 the mean over learners of slowest speed / own speed
+    eval loss    of the syncer's global model at the end, on the held-out batches
+    per round    distinct contributors per closed round; late: pushes based on an older version
+    rx           bytes each learner received (the downlink), MiB
+
+  then the data-parallel baseline on the same token budget (`train.steps` x `data.global_batch`, on one
+  learner's devices: `baseline_config`) and the paper's three rows (8 learners, TPU v6e beside v5p). With
+  `--processes` the syncer's per-round decisions are in `--workdir/<setting>/syncer/rounds.jsonl`.
+  """
   rows = result["rows"]
   ref = rows.get("all")
   lines = [f"learners at speeds {', '.join(f'{v:.3f}' for v in result['speeds'])}, step cv {result['step_cv']}, "

@@ -5,20 +5,14 @@ syncer core in process 0 behind the in-process transport, so no network is in th
 number of fake CPU devices, run twice, one after the other:
 
   1 x D         all D devices in one process: the single-process learner;
-  N x D/N       the devices split over `--processes` processes joined by jax.distributed on loopback, with
-                its decisions sent two ways, alternating chunk by chunk in the same processes:
-    host channel  the shipped way: a message through the coordination service's key-value store,
-                  host to host, which never waits for the devices;
-    collective    the alternative: each decision a fixed-size `broadcast_one_to_all`, a collective whose
-                  result every host reads back, so it waits for every step already dispatched.
+  N x D/N       the devices split over `--processes` processes joined by jax.distributed on loopback, its
+                decisions sent two ways, alternating chunk by chunk: the shipped host channel
+                (`multihost.HostChannel`) and a collective (`CollectiveChannel`).
 
-Each run compiles everything in a warm-up, then alternates chunks of bare inner steps (no outer loop) and
-of learner steps (outer loop on; one chunk per decision channel) and reports medians over the chunks: the
-step times, the outer loop's share (learner - bare), the decisions per step and the host time they took
-on process 0 (which only publishes) and on the others (which also wait for process 0's host to reach the
-same step boundary), and the broadcasts of merged fragments. The bare step of 1 x D against N x D/N is
-the price of the inner step's own cross-process collectives (gloo over loopback here, ICI on a TPU
-slice), which no protocol removes.
+Reported, as medians over chunks (`_worker`): the bare and learner step times, the decisions per step
+and their host time on each process, and the broadcasts of merged fragments. The bare step of 1 x D
+against N x D/N is the price of the inner step's own cross-process collectives (gloo over loopback here,
+ICI on a TPU slice), which no protocol removes.
 """
 
 from __future__ import annotations
@@ -63,7 +57,9 @@ def _flags(fv):
 
 class CollectiveChannel:
   """Decisions as a collective: the alternative the host channel is measured against. Every decision is
-  a `SIZE`-byte `broadcast_one_to_all` over all devices whose result each host reads back."""
+  a `SIZE`-byte `broadcast_one_to_all` over all devices whose result each host reads back, so it waits for
+  every step already dispatched (the host channel, a message through the coordination service's
+  key-value store host to host, never waits for the devices)."""
 
   SIZE = 4096
 
@@ -114,6 +110,11 @@ def _group_counters(learner) -> tuple:
 
 
 def _worker(fv, config) -> int:
+  """One process of a configuration: compile everything in a warm-up, then alternate chunks of bare inner
+  steps (no outer loop) and of learner steps (outer loop on; one chunk per decision channel); write the
+  medians: step times, the outer loop's share (learner - bare), decisions per step and their host time on
+  process 0 (which only publishes) and the others (which also wait for process 0's host to reach the same
+  step boundary), and the broadcasts of merged fragments."""
   if fv["num-processes"].value > 1:
     multihost.initialize(multihost.DistributedSpec(fv.coordinator, fv["num-processes"].value,
                                                    fv["process-id"].value), peer_timeout_s=120.0)

@@ -8,14 +8,9 @@ the drift of a shared machine's speed. Reported: the median of those ratios (goa
 spread, and the ratio of the two sides' median rates. The learner is the only one in its run (a quorum
 of one), so every sync commits.
 
-Also the outer loop's host CPU time per step, as a fraction of the learner's step time: the work at
-step boundaries on the learner's thread (adoptions, snapshots: dispatches and host copies) and on its
-sync workers (encoding, pushing, fetching, decoding, and here the in-process syncer's merge too). On an
-accelerator host it overlaps the device's inner steps; on this CPU-only machine it competes with them.
-
-Then the host memory of the outer loop: traced numpy allocations (tracemalloc), sampled during 2H
-learner steps and attributed by call stack to the learner's comms side and to the syncer core, against
-the bounds (max_in_flight + 1) x the largest fragment, and 4 x the model's fp32 bytes.
+Also the outer loop's host CPU time per step, as a fraction of the learner's step time (`_chunks`), and
+the host memory of the outer loop against its bounds (`_MemorySampler`). docs/benchmarks.md, "Outer-loop
+overhead".
 """
 
 from __future__ import annotations
@@ -53,7 +48,11 @@ def _timed(step_fn, trainer, steps: int) -> float:
 
 
 class _MemorySampler:
-  """Samples traced allocations, attributed to the learner's comms or the syncer core by call stack."""
+  """Samples traced allocations, attributed to the learner's comms or the syncer core by call stack.
+
+  The host memory of the outer loop: traced numpy allocations (tracemalloc), sampled during 2H learner
+  steps and attributed by call stack to the learner's comms side and to the syncer core, against the
+  bounds (max_in_flight + 1) x the largest fragment, and 4 x the model's fp32 bytes."""
 
   # The syncer core is called from the learner's comms thread (in-process transport): test it first.
   GROUPS = {"syncer_core": ("syncer/core.py",),
@@ -144,7 +143,12 @@ def bench_overhead(argv) -> int:
 
 def _chunks(bare, learner, chunks: int, steps: int) -> tuple[list[float], list[float], float, float, float]:
   """`chunks` x `steps` steps with the outer loop, each bracketed by as many bare steps: (bare tokens/s,
-  learner tokens/s, outer-loop CPU per step at step boundaries, in sync workers, wall time per step)."""
+  learner tokens/s, outer-loop CPU per step at step boundaries, in sync workers, wall time per step).
+
+  The outer loop's host CPU: the work at step boundaries on the learner's thread (adoptions, snapshots:
+  dispatches and host copies) and on its sync workers (encoding, pushing, fetching, decoding, and here the
+  in-process syncer's merge too). On an accelerator host it overlaps the device's inner steps; on a
+  CPU-only machine it competes with them."""
   bare_rates, learner_rates = [_timed(bare.train_step, bare, steps)], []
   cpu0 = learner.stats.outer_cpu_s, learner.comms.cpu_s
   learner_wall = 0.0

@@ -3,20 +3,16 @@
 Trains, on the same token budget (same steps x global batch, and by default the same tokens in the same
 steps: `data.baseline_order`), the data-parallel baseline and Decoupled DiLoCo (the config's M learners,
 codecs, H and P), then prints both final eval losses (on the same held-out batches) and their ratio, and
-the bytes each moved per worker and their ratio. Data-parallel bytes: a ring all-reduce of fp32 gradients
-every step, 2 (n-1)/n x gradient bytes per worker. DiLoCo bytes: what each learner sent and received.
+the bytes each moved per worker and their ratio (`run_pair`).
 
-`--budgets 1,3,10` repeats the pair at those multiples of `train.steps` (everything else as configured:
-warmup, evaluation interval), prints the ratio and the bytes ratio per budget, and writes a PNG
-(`--plot`, default `<workdir>/quality.png`): eval loss against tokens for both at the largest budget (the
-global model's for DiLoCo, evaluated every `train.eval_every` steps of learner 0), and the loss ratio
-against the budget.
+`--budgets 1,3,10` repeats the pair at those multiples of `train.steps`, prints the ratio and the bytes
+ratio per budget, and writes a PNG (`--plot`, default `<workdir>/quality.png`; `plot`).
 
 `--ladder` answers where the gap comes from: at each budget it also trains Decoupled DiLoCo with the parts
 of the algorithm put back one at a time (`ladder`), from the M learners averaged exactly after every inner
 step to the config as given, and prints each rung's eval loss against data-parallel and its increase over
-the rung before: that increase is the share of the gap the part it puts back costs. A part the config does
-not use (tau = 0, K = all) has no rung.
+the rung before: that increase is the share of the gap the part it puts back costs. docs/benchmarks.md,
+"Quality and bytes".
 """
 
 from __future__ import annotations
@@ -61,7 +57,8 @@ _EXACT = {"outer.num_fragments": 1, "outer.tau": 0, "outer.min_quorum": 0, "oute
 def ladder(config) -> list[tuple[str, str, object]]:
   """(name, the part the rung puts back, its config) from exact averaging after every inner step to
   `config` itself. A rung that changes nothing from the one before (a part the config does not use) is
-  left out; the last rung is always the config, under the part that rung before it put back."""
+  left out (tau = 0, K = all: no rung); the last rung is always the config, under the part that rung
+  before it put back."""
   o = config.outer
   rungs = [
       ("exact, H = 1", "the inner optimizer: M learners on 1/M of the batch, averaged every step",
@@ -88,7 +85,9 @@ def ladder(config) -> list[tuple[str, str, object]]:
 
 def run_pair(config, root: pathlib.Path, quiet: bool = False, rungs: bool = False) -> dict:
   """Data-parallel, then Decoupled DiLoCo, on `config`; the comparison as a dict. With `rungs`, DiLoCo
-  is trained at every rung of `ladder` (the last is `config` itself), listed under "ladder"."""
+  is trained at every rung of `ladder` (the last is `config` itself), listed under "ladder". Data-parallel
+  bytes: a ring all-reduce of fp32 gradients every step, 2 (n-1)/n x gradient bytes per worker. DiLoCo
+  bytes: what each learner sent and received."""
   dp = baseline.run(config, str(root / "dp"), quiet=quiet, export=False)
   steps = ladder(config) if rungs else [("as configured", "", config)]
   runs = []
@@ -164,7 +163,9 @@ def _goal_line(budget: int, r: dict) -> str:
 
 
 def plot(results: dict[int, dict], path: str) -> str:
-  """Eval loss against tokens at the largest budget (both runs), and the loss ratio against the budget."""
+  """Eval loss against tokens at the largest budget (both runs; the global model's for DiLoCo, evaluated
+  every `train.eval_every` steps of learner 0), and the loss ratio against the budget. Every budget runs
+  with everything else as configured (warmup, evaluation interval)."""
   import matplotlib  # lazy: only this output needs it, and it adds a second to the import
 
   matplotlib.use("Agg")

@@ -5,15 +5,12 @@ throughput of the jitted inner step against a measured matmul rate on the same d
 
 One `trainer.MeshTrainer` (the baseline's: `data.global_batch` sequences per step over one mesh of all
 devices, or of the first `--devices`) is built; its inner step is compiled and warmed up, then `--steps`
-steps are dispatched back to back on batches already on the devices and the clock is stopped once, after
-`block_until_ready` on the last state: the figure is the step's, not the host data pipeline's.
+steps are dispatched back to back on batches already on the devices and timed to `block_until_ready` of
+the last state: the figure is the step's, not the host data pipeline's (`run`).
 
 Printed: tokens/s, model FLOPs/s (`model.flops_per_token` x tokens/s: 6 x matmul parameters plus
 attention, the usual MFU numerator) and, in the same run, the FLOP rate of a jitted matmul chain of the
-model's own shapes on the same mesh: activations `[batch * seq_len, d_model]` split over the batch axes
-like the model's, times the MLP's `[d_model, mlp_dim]` and `[mlp_dim, d_model]` weights sharded by the
-model's logical rules, repeated inside one jitted call until a call does about one step's FLOPs, timed
-the same way (warm-up, N calls, one block at the end). Their ratio is an MFU-like fraction: how much of
+model's own shapes on the same mesh (`matmul_reference`). Their ratio is an MFU-like fraction: how much of
 what these devices demonstrably do on matmuls of this size the training step achieves. On fake CPU devices
 it says more about the host's cores than about an accelerator.
 """
@@ -100,7 +97,9 @@ def matmul_reference(model_cfg, mesh, tokens: int, target_flops: float, dtype=jn
 
 
 def run(config, devices, *, steps: int, warmup: int, matmul_dtype: str = "float32") -> dict:
-  """Time the inner step and the reference matmul on a mesh over `devices`; returns the figures."""
+  """Time the inner step and the reference matmul on a mesh over `devices`; returns the figures. The matmul
+  chain has activations `[batch * seq_len, d_model]` and does about one step's FLOPs per call, timed the
+  same way as the steps (warm-up, N calls, one block at the end: `_time_calls`)."""
   batch_size = config.data.global_batch
   _log(f"building the train state on {len(devices)} {devices[0].platform} devices ...")
   t0 = time.perf_counter()

@@ -1,31 +1,17 @@
 """`python -m diloco_jax bench syncer [--params 16777216 --pushes 4 --codec int4 --downlink fp32] [--json]`
 
 How fast the syncer absorbs outer gradients: M pushes of one fragment of N parameters make a round (a
-quorum of M, no grace window), which the core checks (CRC-32, finiteness, the norm for the outlier check
-at the shipped `outer.max_norm_ratio`), merges, steps (Nesterov) and publishes; then one learner pulls the
-result (which builds the downlink answer: the full fp32 fragment, or with a lossy `--downlink` the
-quantized change from the reference). The payloads are encoded once beforehand: encoding is the learners'
-work.
+quorum of M, no grace window), which the core checks, merges, steps (Nesterov) and publishes; then one
+learner pulls the result (the downlink answer). The payloads are encoded once beforehand: encoding is the
+learners' work.
 
-Measured side by side in one process, each round timed in wall-clock and in this process's CPU time
-(all threads):
-
-  unfused    the arithmetic the core used before the chunked merge path: per push CRC, a full decode
-             and a finiteness check; at the close `outer.merge` over the decoded vectors, `outer_reference.outer_step`
-             (optax, jitted on the CPU), and the downlink as separate encode / decode / add steps (fp32:
-             the answer's bytes from the new global). Without the merge-safety checks (a norm per push,
-             a finiteness check of the result), which the fused path pays for: a strict baseline.
-  fused      a real `SyncerCore` (`outer.apply_round`: decode, weighted sum and Nesterov step in place, in
-             cache-sized chunks, written only when proven finite; `codec.encode_residual` for a lossy
-             downlink), once per `--threads`, with the merge-safety checks of a shipped config.
-
-Reported: parameters absorbed per second (M x N per round), by the wall clock and per core (over CPU
-seconds: a host with more cores runs that many rounds' worth of work in parallel); the bound from the
-bytes a round must touch (each payload read three times, for the CRC, the norm and the decode; the
-global and the momentum read and written; the downlink's reads and writes) at the rate of a plain copy
-measured in the same run (a copy of B bytes reads B and writes B, so bytes move at twice the copy rate);
-and the fused path's gain over the unfused one. The figures are medians over `--rounds` rounds after a
-warm-up round.
+Measured side by side in one process, each round timed in wall-clock and in this process's CPU time (all
+threads): `unfused`, the arithmetic before the chunked merge path, a strict baseline (`Unfused`), and
+`fused`, a real `SyncerCore` once per `--threads` (`Fused`). Reported: parameters absorbed per second (M x
+N per round), by the wall clock and per core (over CPU seconds); the bound from the bytes a round must
+touch at the rate of a plain copy measured in the same run (`bytes_touched`); and the fused path's gain
+over the unfused one. Medians over `--rounds` rounds after a warm-up round. docs/benchmarks.md, "Syncer
+merge path".
 """
 
 from __future__ import annotations
@@ -70,7 +56,11 @@ def copy_rate(size: int, repeats: int = 10) -> float:
 
 
 def bytes_touched(size: int, pushes: int, up: str, down: str, block: int) -> int:
-  """The bytes one round must read and write, at the least (see the module docstring)."""
+  """The bytes one round must read and write, at the least: each payload read three times (for the CRC,
+  the norm and the decode; fp32 and bf16 once more for finiteness), the global and the momentum read and
+  written, and the downlink's reads and writes. At the rate of a plain copy (`copy_rate`: a copy of B bytes
+  reads B and writes B, so bytes move at twice the copy rate) this bounds the parameters a core absorbs per
+  second."""
   payload = codec_lib.encoded_size(size, up, block)
   reads_per_push = 3 * payload + (payload if up in ("fp32", "bf16") else 0)  # CRC, norm, decode, finiteness
   state = 4 * 4 * size  # global and momentum, each read and written
@@ -88,7 +78,11 @@ def _payloads(size: int, pushes: int, up: str, block: int) -> list[bytes]:
 
 
 class Unfused:
-  """The pre-chunked arithmetic of one fragment (see the module docstring), as a baseline."""
+  """The pre-chunked arithmetic of one fragment, as a baseline: per push CRC, a full decode and a
+  finiteness check; at the close `outer.merge` over the decoded vectors, `outer_reference.outer_step`
+  (optax, jitted on the CPU), and the downlink as separate encode / decode / add steps (fp32: the answer's
+  bytes from the new global). Without the merge-safety checks (a norm per push, a finiteness check of the
+  result), which the fused path pays for: a strict baseline."""
 
   def __init__(self, initial: np.ndarray, up: str, down: str, block: int):
     self.up, self.down, self.block = up, down, block
@@ -116,7 +110,11 @@ class Unfused:
 
 
 class Fused:
-  """A real SyncerCore with a quorum of all `pushes` learners and no grace window."""
+  """A real SyncerCore with a quorum of all `pushes` learners and no grace window: per push the core's
+  checks (CRC-32, finiteness, the norm for the outlier check at the shipped `outer.max_norm_ratio`); at the
+  close `outer.apply_round` (decode, weighted sum and Nesterov step in place, in cache-sized chunks,
+  written only when proven finite) and, for a lossy downlink, `codec.encode_residual`; then one pull's
+  answer (the full fp32 fragment, or the quantized change from the reference)."""
 
   def __init__(self, initial: np.ndarray, up: str, down: str, block: int, pushes: int, threads: int):
     # The shipped defaults (`base_config()` resolved), with what this bench has always measured: one fragment,
@@ -161,7 +159,9 @@ def _time_rounds(path, payloads, tokens, rounds: int) -> dict:
 
 def run(size: int = 1 << 24, pushes: int = 4, up: str = "int4", down: str = "fp32", block: int = 64,
         rounds: int = 5, threads: tuple[int, ...] = (1,), log=lambda msg: None) -> dict:
-  """The benchmark; returns {"rows": [...], "copy_gb_s", "bound_params_per_s", ...}."""
+  """The benchmark; returns {"rows": [...], "copy_gb_s", "bound_params_per_s", ...}. Each row's parameters
+  absorbed per second are M x N per round over the median round, by the wall clock and per core (over CPU
+  seconds: a host with more cores runs that many rounds' worth of work in parallel)."""
   initial = np.random.default_rng(0).standard_normal(size).astype(np.float32)
   payloads = _payloads(size, pushes, up, block)
   tokens = [1000 + 10 * i for i in range(pushes)]

@@ -1,52 +1,17 @@
 """`python -m diloco_jax bench wan --config configs/tiny_cpu.py [--gbps X --latency-ms L --steps N --json]`
 
-A learner's compute utilization on an emulated slow link (inner-step time / wall
-time), with and without overlap. Each mode runs in this process: a real gRPC syncer (`syncer.server.serve`
-around `build_core`, loopback, token auth) and one learner (`learners.num = 1`, so a quorum of one) on its
-device slice, talking to it through `GrpcTransport(wan=WanLink(...))`: the bandwidth cap (a token bucket
-per direction) and the one-way latency are applied in the client, on every gRPC message.
+A learner's compute utilization on an emulated slow link (inner-step time / wall time), with and without
+overlap: a real gRPC syncer and one learner (a quorum of one) in this process, the bandwidth cap and
+latency applied in the client (`GrpcTransport(wan=WanLink(...))`). Modes (`modes`): all-at-once
+(synchronous DiLoCo), streaming (the config's P staggered, tau >= 1) and stream+int4 (`--int4`). The link:
+`--gbps` per direction, or by default one that moves the fp32 model in `--link-periods` x H step-times
+(`run`). Each timed step waits for the device (`--sync-steps`, default: without it the figures mix in the
+device catching up; `wan_mode.run_mode` says how a mode is timed and what each column means). The goal:
+with overlap, util >= 0.95 on a link where all-at-once stalls the learner >= 30% of its time.
 
-Modes (same model, H, steps and link; only the sync schedule and codecs differ):
-
-  all-at-once   P = 1 (the whole model syncs every H steps), tau = 0 (the learner waits for each merge),
-                fp32 up and down: synchronous DiLoCo.
-  streaming     the config's P fragments staggered over H, tau >= 1 (adopt later, never wait),
-                max_in_flight >= 2, fp32 up and down: only the overlap and the staggering differ.
-  stream+int4   as streaming, int4 both ways (`--int4`, on by default).
-
-The link: `--gbps` per direction, or by default derived from the measured bare step time t and the
-model's fp32 bytes B so that the link moves B in `--link-periods` x H step-times (default 0.5): the
-all-at-once sync then needs about H x t of transfer per H steps (up, then down), i.e. a stall near 50%.
-
-Per mode: warm up (compile every step, outer-gradient and adoption function; two sync periods and a
-flush), then time `--steps` inner steps (default 8 H, a multiple of H so every mode makes the same number
-of syncs) from a quiet state to `block_until_ready` of the parameters. Each timed step waits for the
-device (`--sync-steps`, default): jax dispatches steps asynchronously, so a loop that does not wait runs
-ahead of the device and the learner's `blocked_s` then also holds the device catching up with the queued
-steps (the comms thread's host copy of a snapshot waits for them), which is inner-step time. Reported:
-
-  util      inner-step time / wall: the time of the timed steps outside the learner's blocked waits
-            (`stats.blocked_s`: waiting on the outer loop), over the wall time; = 1 - blocked / wall.
-            With --nosync-steps it is the learner's own `stats.compute_s / wall` (biased low, see above).
-  vs bare   steps x (bare step time) / wall, the bare step (no outer loop, same devices) measured just
-            before the mode's timed steps: it also counts any slowdown of the steps themselves (the
-            comms threads, the gRPC service and the syncer core share the CPU and the GIL), and any
-            drift of the machine's speed between the two measurements when it is shared.
-
-`cpu s` is this process's CPU time (all threads: XLA, comms, gRPC, syncer) during the timed steps.
-Bytes are every gRPC message this learner sent / received for the syncs of the timed steps (payload and
-framing; `GrpcTransport`'s counters), read once those syncs came back.
-
-The issue's goal: with overlap, util >= 0.95 on a link where all-at-once stalls the learner >= 30% of its
-time (util <= 0.70).
-
-`--paper-link`: the paper's setting instead. The link carries 1/236 of what data-parallel training of the
-same model needs (Decoupled DiLoCo: 198 Gbps for data-parallel against 0.84 Gbps), where data-parallel's
-need is a ring all-reduce of the fp32 gradient every bare step among `learners.num` workers, 2 (n - 1) / n
-x 4 bytes per parameter per step, each way. One mode runs on it, `paper`: P = H (one fragment due every
-step), int4 both ways, tau >= 1, the in-flight limit the schedule needs. The goal there: util >= 0.95.
-It prints the smallest H whose int4 traffic fits the link (its payload bytes per step at most the link's
-bytes per step); below that no overlap can keep the learner busy.
+`--paper-link`: the paper's setting instead, a link of 1/236 of what data-parallel training of the same
+model needs and the paper's schedule on it (P = H, int4 both ways; `run_paper`). The goal there: util >=
+0.95. It prints the smallest H whose int4 traffic fits the link. docs/benchmarks.md, "WAN emulation".
 """
 
 from __future__ import annotations
@@ -74,7 +39,15 @@ GOAL_STALL = 0.30
 
 
 def modes(config, int4: bool = True) -> list[Mode]:
-  """all-at-once, streaming + overlap, and optionally streaming + overlap with int4 both ways."""
+  """all-at-once, streaming + overlap, and optionally streaming + overlap with int4 both ways (same model,
+  H, steps and link; only the sync schedule and codecs differ):
+
+    all-at-once   P = 1 (the whole model syncs every H steps), tau = 0 (the learner waits for each merge),
+                  fp32 up and down: synchronous DiLoCo.
+    streaming     the config's P fragments staggered over H, tau >= 1 (adopt later, never wait),
+                  max_in_flight >= 2, fp32 up and down: only the overlap and the staggering differ.
+    stream+int4   as streaming, int4 both ways (`--int4`, on by default).
+  """
   o = config.outer
   tau = max(int(o.tau), 1)
   in_flight = max(schedule.in_flight_limit(int(o.max_in_flight), o.num_fragments, o.sync_every, tau), 2)
@@ -129,7 +102,8 @@ PAPER_REDUCTION = 236  # Decoupled DiLoCo: 198 Gbps for data-parallel, 0.84 Gbps
 
 
 def paper_mode(config) -> Mode:
-  """P = H, int4 both ways, tau >= 1, the in-flight limit of the schedule (or the config's, if set)."""
+  """`paper`: P = H (one fragment due every step), int4 both ways, tau >= 1, the in-flight limit of the
+  schedule (or the config's, if set)."""
   o = config.outer
   tau = max(int(o.tau), 1)
   h = int(o.sync_every)
@@ -151,7 +125,15 @@ def min_sync_every(params: int, sizes_bytes_per_param: float, link_bytes_per_ste
 
 def run_paper(config, *, latency_ms: float = 10.0, steps: int = 0, sync_steps: bool = True,
               log=lambda msg: None) -> dict:
-  """`--paper-link`: the paper's schedule on 1/236 of data-parallel's bandwidth need."""
+  """`--paper-link`: the paper's schedule on 1/236 of data-parallel's bandwidth need.
+
+  The link carries 1/236 of what data-parallel training of the same model needs (Decoupled DiLoCo: 198
+  Gbps for data-parallel against 0.84 Gbps), where data-parallel's need is a ring all-reduce of the fp32
+  gradient every bare step among `learners.num` workers, 2 (n - 1) / n x 4 bytes per parameter per step,
+  each way (`paper_link`). One mode runs on it, `paper_mode`. The goal there: util >= 0.95. It reports the
+  smallest H whose int4 traffic fits the link (its payload bytes per step at most the link's bytes per
+  step, `min_sync_every`); below that no overlap can keep the learner busy.
+  """
   config = config.copy_and_resolve_references()
   config.learners.num, workers = 1, config.learners.num
   cli.validated(config, len(jax.devices()), learners=True)
@@ -181,7 +163,13 @@ def run_paper(config, *, latency_ms: float = 10.0, steps: int = 0, sync_steps: b
 
 def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: float = 0.5, steps: int = 0,
         int4: bool = True, sync_steps: bool = True, log=lambda msg: None) -> dict:
-  """The benchmark; returns {"link": ..., "bare_step_s": ..., "rows": [...], "goal": ...}."""
+  """The benchmark; returns {"link": ..., "bare_step_s": ..., "rows": [...], "goal": ...}.
+
+  The link: `gbps` per direction, or by default derived from the measured bare step time t and the model's
+  fp32 bytes B so that the link moves B in `link_periods` x H step-times (default 0.5): the all-at-once
+  sync then needs about H x t of transfer per H steps (up, then down), i.e. a stall near 50%. `steps`
+  (default 8 H) is rounded up to a multiple of H so every mode makes the same number of syncs.
+  """
 
   config = config.copy_and_resolve_references()
   config.learners.num = 1

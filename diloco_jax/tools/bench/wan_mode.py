@@ -1,5 +1,5 @@
-"""One mode of `bench wan` (`wan.py` says what it measures): a gRPC syncer and one learner behind an
-emulated link in this process, warmed up, then timed; and the bare inner step it is compared with.
+"""One mode of `bench wan` (`wan.py` says what it measures; `run_mode`, how): a gRPC syncer and one learner
+behind an emulated link in this process, warmed up, then timed; and the bare inner step it is compared with.
 
 Imported by `wan.py`, which sets the fake CPU device count before jax starts.
 """
@@ -85,8 +85,18 @@ def run_mode(config, mode: Mode, devices, spec: wan_lib.WanSpec, steps: int, bar
              sync_steps: bool = True, log=lambda msg: None) -> dict:
   """One mode: a gRPC syncer and one learner behind an emulated link; returns its row.
 
-  `bare`: measures the bare step time right before the timed steps (the machine's speed drifts when
-  it is shared). `sync_steps`: wait for each inner step on the device (see the module docstring).
+  A real gRPC syncer (`syncer.server.serve` around `build_core`, loopback, token auth) and one learner
+  (`learners.num = 1`, so a quorum of one) on its device slice, talking to it through
+  `GrpcTransport(wan=WanLink(...))`: the bandwidth cap (a token bucket per direction) and the one-way
+  latency are applied in the client, on every gRPC message. The mode warms up (compile every step,
+  outer-gradient and adoption function; two sync periods and a flush), then times `steps` inner steps from
+  a quiet state to `block_until_ready` of the parameters.
+
+  `bare`: measures the bare step (no outer loop, same devices) right before the timed steps (the
+  machine's speed drifts when it is shared); the row's `vs_bare`, steps x (bare step time) / wall, also
+  counts any slowdown of the steps themselves (the comms threads, the gRPC service and the syncer core
+  share the CPU and the GIL), and any drift of the machine's speed between the two measurements when it
+  is shared. `sync_steps` and the other figures: `_timed_steps`.
   """
   c = _mode_config(config, mode)
   h = c.outer.sync_every
@@ -142,7 +152,19 @@ def _warm_up(learner, mode: Mode, h: int, steps: int, bare: BareSteps | None, lo
 
 
 def _timed_steps(learner, transport, link, steps: int, sync_steps: bool) -> dict:
-  """`steps` timed inner steps of a warm learner: syncs, wall, CPU, blocked and compute time, bytes."""
+  """`steps` timed inner steps of a warm learner: syncs, wall, CPU, blocked and compute time, bytes.
+
+  `sync_steps`: each timed step waits for the device. jax dispatches steps asynchronously, so a loop that
+  does not wait runs ahead of the device and the learner's `blocked_s` then also holds the device catching
+  up with the queued steps (the comms thread's host copy of a snapshot waits for them), which is inner-step
+  time. The figures (util = compute / wall in the row):
+    compute   the time of the timed steps outside the learner's blocked waits (`stats.blocked_s`: waiting
+              on the outer loop), so util = 1 - blocked / wall. Without `sync_steps` it is the learner's
+              own `stats.compute_s` (biased low, see above).
+    cpu       this process's CPU time (all threads: XLA, comms, gRPC, syncer) during the timed steps.
+    bytes     every gRPC message this learner sent / received for the syncs of the timed steps (payload
+              and framing; `GrpcTransport`'s counters), read once those syncs came back.
+  """
   params = lambda: learner.trainer.state.params
   s = learner.stats
   syncs0, blocked0, compute0 = s.syncs, s.blocked_s, s.compute_s

@@ -1,20 +1,16 @@
 """A multi-process run under a seeded fault schedule: `python -m diloco_jax chaos`.
 
-    python -m diloco_jax chaos --config configs/tiny_cpu.py --learners 3 --seed 0 \\
+    python -m diloco_jax chaos --config configs/tiny_cpu.py --learners 3 --seed 0 \
         [--schedule FILE] [--workdir runs/chaos] [--config.train.steps=2000]
 
 It first runs the same job undisturbed (the reference; `--reference report.json` reuses one), then again
 under the schedule (the standard one of `--seed`, or a JSON list of events from `--schedule`): kill -9 of a
 learner and its restart after a repair delay, SIGSTOP/SIGCONT of a straggler, a learner cut off from the
-syncer (the WAN emulator drops its traffic while a file exists), kill -9 and SIGTERM of the syncer and
-its restart on the same port and workdir. Both runs use `launch_local`'s launcher. Each event is printed as
-it happens; at the end: finished or not, whether versions stayed monotone (the syncer's over its
-lifetimes, every learner's), the longest time without any version advancing (outside syncer outages,
-beside the undisturbed run's), each syncer restart's time back to merging, contributions pushed / merged
-/ rejected by reason / rolled back or dropped by crashes (and pushed again) / lost, goodput (tokens merged
-into the global model over the tokens the same learners process in the same wall time undisturbed) and
-the final eval loss beside the undisturbed one. `WORKDIR/report.json` holds it all, `WORKDIR/timeline.png`
-draws it. Exit status 1 if a check failed. See docs/operations.md, "Chaos".
+syncer, kill -9 and SIGTERM of the syncer and its restart on the same port and workdir. Both runs use
+`launch_local`'s launcher. Each event is printed as it happens; at the end the checks (finished, versions
+monotone, longest stall, restarts back to merging, contributions lost), goodput and the final eval loss
+beside the undisturbed ones. `WORKDIR/report.json` holds it all, `WORKDIR/timeline.png` draws it. Exit
+status 1 if a check failed. What each check measures: docs/operations.md, "Chaos".
 """
 
 from __future__ import annotations

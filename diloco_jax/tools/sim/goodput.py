@@ -1,22 +1,18 @@
 """Discrete-event goodput simulation of N chips in slices under failures.
 
-Three strategies share one failure model and one "job" simulator (see docs/simulator.md):
+Three strategies share one failure model (`sim/failures.py`) and one "job" simulator:
 
-* `dp`: synchronous data-parallel with checkpoint-restart. Any chip failure stops the whole job for
-  `restart_s`; the work since the last (in-memory) checkpoint is lost.
-* `elastic`: elastic data-parallel. A failure removes its slice; the whole job pauses for one reshape
-  (`reshape_s`) and continues on fewer slices; the slice is back after `repair_s` and rejoins at another
-  reshape (or inside one already in progress).
-* `diloco`: Decoupled DiLoCo with M learners. Each learner is an elastic data-parallel job of N/M chips, so
-  a failure pauses only its own learner. Learners (each at its own speed) push fragments to the syncer,
-  whose rounds close by the project's own quorum and grace-window policy (`diloco_jax.syncer.rules.quorum`),
-  and wait on the outer loop as the real learner does (`sim/rounds.py`).
+* `dp`: synchronous data-parallel with checkpoint-restart: any chip failure stops the whole job.
+* `elastic`: elastic data-parallel: a failure removes its slice and pauses the whole job for one reshape.
+* `diloco`: Decoupled DiLoCo with M learners, each an elastic data-parallel job of N/M chips, so a failure
+  pauses only its own learner. Learners push fragments to the syncer, whose rounds close by the project's
+  own quorum and grace-window policy (`diloco_jax.syncer.rules.quorum`), and wait on the outer loop as the
+  real learner does (`sim/rounds.py`).
 
 Outputs: goodput (useful chip-time / provisioned chip-time) and uptime (fraction of wall time the global
-model advances), each as a mean and a 95% confidence interval over seeded repeats.
-
-The failure model of one job is `sim/failures.py`. Only numpy: this module must import fast and never
-touch jax.
+model advances), each as a mean and a 95% confidence interval over seeded repeats. The model in full
+(restart, reshape, repair and rejoin costs): docs/simulator.md, "1. Goodput model". Only numpy: this
+module must import fast and never touch jax.
 """
 
 from __future__ import annotations

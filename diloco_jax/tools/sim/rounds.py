@@ -1,24 +1,11 @@
 """Decoupled DiLoCo's outer loop, event by event: M learners pushing P staggered fragments to a syncer.
 
-The learners follow the real learner's rules (`diloco_jax/learner/loop.py`):
-  * fragment p is due every H inner steps, at steps s with s mod H == round(p H / P) (as `fragments.py`
-    staggers them), so a learner pushes one fragment every H/P steps of its own compute;
-  * before pushing fragment p it waits until its previous sync of p came back, and while `max_in_flight`
-    fragments are pushed but not yet adopted it waits for the oldest; with tau = 0 it waits for every sync
-    right after pushing. That wait is blocked time: the learner computes nothing;
-  * a sync "comes back" as the learner's pull does: with the first published version after the learner's
-    base. A push whose base is already behind the global (late) gets the current version at once; a
-    fresh one waits for the close of the round it joined, plus t_sync (merge and publish).
-
-The syncer keeps one open round per fragment. A push joins the open round (or opens one); a learner is in
-a round at most once: a second push of the same learner waits for the next round (it is merged there, as a
-late contribution). The round closes when `syncer.rules.quorum.round_close_time` says so, evaluated on the
-round's arrivals (and their learners' step times) after each of them, with the learners alive at that
-moment (the project's own quorum and grace rule, not a copy).
-
-Each learner's wall time runs through its failure stalls (from `failures.simulate_job`): it computes only
-outside them. Inner steps vary with coefficient of variation `step_cv` (a segment of n steps takes a
-Gamma-distributed time, the exact sum of n Gamma steps), at the learner's own speed.
+The learners follow the real learner's rules (`diloco_jax/learner/loop.py`): staggered fragments, a wait
+for a fragment's previous sync and for the in-flight bound, blocked time while they wait. The syncer keeps
+one open round per fragment, closed by `syncer.rules.quorum.round_close_time` (the project's own quorum
+and grace rule, not a copy). Each learner computes only outside its failure stalls (from
+`failures.simulate_job`), at its own speed, with Gamma-distributed step times. The rules in full:
+`simulate`, and docs/simulator.md, "1. Goodput model" ("The outer loop").
 
 Cost: O(pushes) heap events in Python. Only numpy: this module must import fast and never touch jax.
 """
@@ -154,7 +141,28 @@ class _Round:
 def simulate(schedule: Schedule, learners: Sequence[Learner], window_s: float, rng: np.random.Generator,
              record: bool = False) -> RoundsResult:
   """Run the outer loop of `learners` for `window_s` seconds of wall time (with `record`: every push and
-  round in `RoundsResult.records`)."""
+  round in `RoundsResult.records`).
+
+  The learners:
+    * fragment p is due every H inner steps, at steps s with s mod H == round(p H / P) (as `fragments.py`
+      staggers them), so a learner pushes one fragment every H/P steps of its own compute;
+    * before pushing fragment p it waits until its previous sync of p came back, and while `max_in_flight`
+      fragments are pushed but not yet adopted it waits for the oldest; with tau = 0 it waits for every
+      sync right after pushing. That wait is blocked time: the learner computes nothing;
+    * a sync "comes back" as the learner's pull does: with the first published version after the
+      learner's base. A push whose base is already behind the global (late) gets the current version at
+      once; a fresh one waits for the close of the round it joined, plus t_sync (merge and publish).
+
+  The syncer keeps one open round per fragment. A push joins the open round (or opens one); a learner is
+  in a round at most once: a second push of the same learner waits for the next round (it is merged there,
+  as a late contribution). The round closes when `syncer.rules.quorum.round_close_time` says so, evaluated
+  on the round's arrivals (and their learners' step times) after each of them, with the learners alive at
+  that moment.
+
+  Each learner's wall time runs through its failure stalls: it computes only outside them. Inner steps
+  vary with coefficient of variation `step_cv` (a segment of n steps takes a Gamma-distributed time, the
+  exact sum of n Gamma steps), at the learner's own speed.
+  """
   return _OuterLoop(schedule, learners, window_s, rng, record).run()
 
 

@@ -2,23 +2,14 @@
 
     python -m diloco_jax sim sizing --config configs/b1.py --learners 8 [--step-s 1.2] [--json]
 
-The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
-fragments, their Nesterov momentum (which also holds the pending sum of partial rounds under a quorum
-K < M: no extra vector), the downlink references (only with a lossy
-`outer.downlink_codec`: one per version of the last `outer.downlink_history`, plus a spare when it keeps
-more than one; with fp32 the reference is the global fragment itself) and the cached fp32 answer to full
-pulls (joins, restarts). Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner
-has at most `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
-`schedule.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
-fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
-downlinks, the commands in docs/tpu.md): a checkpoint held three extra copies of the checkpointed vectors
-(the state dict's copy, the save's copy, the writer's buffers; the save's copy is gone since, so two,
-not re-measured), a resume two, the fresh start two vectors of S; the process itself (Python, jax, gRPC,
-orbax) takes ~0.5 GiB. A round's merge, outer step and downlink encode work in place in cache-sized
-chunks (`outer.apply_round`, `codec.encode_residual`): no fragment-sized temporaries.
+The syncer keeps, in float32 vectors of the model's size S (4S bytes each), the global fragments, their
+Nesterov momentum, the downlink references (lossy downlink only) and the cached fp32 answer to full pulls;
+pushed contributions wait in open rounds as they arrived, and transients (a checkpoint, a resume, the
+fresh start) come on top, measured on a real syncer process (`syncer_memory`: the model and its
+measurements). The learner's state per chip and the bytes per outer period come beside it.
 
 Pure functions of the fragment sizes; `fragment_sizes` gets those from the model's abstract shapes (no
-parameters are materialized).
+parameters are materialized). docs/simulator.md, "5. Machine sizing".
 """
 
 from __future__ import annotations
@@ -71,7 +62,22 @@ def fragment_memory(n: int, *, codec: str, downlink_codec: str, block: int,
 def syncer_memory(sizes, learners: int, *, codec: str, downlink_codec: str, block: int,
                   max_in_flight: int, downlink_history: int = 1) -> dict[str, int]:
   """Bytes of the memory of a syncer process that owns fragments of `sizes` elements, by part, and `total`
-  (the peak estimate); see the module docstring. `downlink_history`: `fragment_memory`."""
+  (the peak estimate). `downlink_history`: `fragment_memory`.
+
+  The syncer (`syncer/core.py`) keeps, in float32 vectors of the model's size S (4S bytes each): the global
+  fragments, their Nesterov momentum (which also holds the pending sum of partial rounds under a quorum
+  K < M: no extra vector), the downlink references (only with a lossy `outer.downlink_codec`: one per
+  version of the last `outer.downlink_history`, plus a spare when it keeps more than one; with fp32 the
+  reference is the global fragment itself) and the cached fp32 answer to full pulls (joins, restarts).
+  Pushed contributions wait in open rounds as they arrived (encoded, `outer.codec`); a learner has at most
+  `outer.max_in_flight` fragments pushed and not yet adopted (0: the schedule's need,
+  `schedule.in_flight_limit`), so at most M x min(max_in_flight, P) of them, each at most the largest
+  fragment. Transients come on top, measured on a real syncer process (134.5M parameters, fp32 and int8
+  downlinks, the commands in docs/tpu.md): a checkpoint held three extra copies of the checkpointed vectors
+  (the state dict's copy, the save's copy, the writer's buffers; the save's copy is gone since, so two, not
+  re-measured), a resume two, the fresh start two vectors of S; the process itself (Python, jax, gRPC,
+  orbax) takes ~0.5 GiB. A round's merge, outer step and downlink encode work in place in cache-sized
+  chunks (`outer.apply_round`, `codec.encode_residual`): no fragment-sized temporaries."""
   held = [fragment_memory(n, codec=codec, downlink_codec=downlink_codec, block=block,
                           downlink_history=downlink_history) for n in sizes]
   total_of = lambda key: sum(f[key] for f in held)

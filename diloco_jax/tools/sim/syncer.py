@@ -2,22 +2,13 @@
 a config's schedule, and the number of shards that keeps up. Pure functions of the fragment sizes and a few
 figures; `python -m diloco_jax sim syncer` (`tools/sim/syncer_cli.py`) prints them for the shipped configs.
 
-Memory. What the syncer holds per fragment is `sizing.fragment_memory` (the fp32 global, the Nesterov
-momentum, the downlink references with a lossy downlink, the cached fp32 answer, the latest deltas, and the pushes an open round buffers as they arrived); a syncer process owning a set of fragments has the peak
-estimate `sizing.syncer_memory` of that set (its process, the open rounds of its M learners, the copies
-while a checkpoint is written). A shard is one such process on its own host.
-
-Shards. A sharded syncer (`syncer --shard I --shards S`) gives each of S shards a set of whole fragments
-balanced by size (`placement.assign_shards`: largest first, each to the shard holding the fewest so far);
-the sizing balances the bytes a fragment keeps resident with the same function.
-
-Ingest. Each of M learners pushes every fragment once per outer period of H inner steps (a fragment every
-H / P steps), so the syncer absorbs M x (the parameters of its fragments) per H x step seconds
-(`ingest_rate`). A shard keeps up when its ingest is at most its merge threads x the merge rate per core
-`bench syncer` measures (parameters absorbed per second per core: check, decode, weighted merge, Nesterov
-step, downlink encode; docs/benchmarks.md), and fits its host when its peak estimate x `HEADROOM` +
-`OS_BYTES` does, the rule `launch/tpu/create.sh` sizes the syncer VM with. `shards_needed` is the smallest
-S <= P for which every shard does both; None when even one fragment per shard does not.
+Memory is `sizing.fragment_memory` per fragment and `sizing.syncer_memory` per process; shards get whole
+fragments balanced by size, as the sharded syncer places them (`placement.assign_shards`, `shard_layout`).
+Ingest: each of M learners pushes every fragment once per H inner steps (`ingest_rate`). A shard keeps up
+when its ingest is at most its merge threads x the merge rate per core `bench syncer` measures, and fits
+its host when its peak estimate x `HEADROOM` + `OS_BYTES` does, the rule `launch/tpu/create.sh` sizes the
+syncer VM with; `shards_needed` is the smallest S <= P for which every shard does both. docs/simulator.md,
+"6. The syncer at scale".
 """
 
 from __future__ import annotations
@@ -82,7 +73,10 @@ class Setup:
 
 
 def shard_layout(setup: Setup, learners: int, shards: int, step_s: float) -> list[dict]:
-  """Per shard: its fragments, parameters, ingest (params/s) and memory (`sizing.syncer_memory` parts)."""
+  """Per shard: its fragments, parameters, ingest (params/s) and memory (`sizing.syncer_memory` parts). The
+  fragments are placed as the sharded syncer places them (`placement.assign_shards`: largest first, each to
+  the shard holding the fewest so far), weighed by the bytes each keeps resident; a shard is one syncer
+  process on its own host."""
   held = [setup.fragment_memory(n) for n in setup.sizes]
   weights = [sum(v for k, v in f.items() if k != "push") for f in held]  # bytes a fragment keeps resident
   out = []

@@ -6,14 +6,11 @@ Examples:
   python -m diloco_jax sim syncer --configs configs/b12.py --learners 8,16 --step-s 0.5 --shards 4
   python -m diloco_jax sim syncer --merge-rate 150e6 --json        # the merge rate before the fused path
 
-For each config and M: the parameters the syncer must absorb per second at the config's H and --step-s
-(M x params / (H x step)) and the merge cores that takes at --merge-rate; the syncer's peak memory estimate
-as one process (`sim sizing`'s, all fragments), and per shard and in total with --shards shards; and the
-smallest shard count that keeps up (every shard's ingest within its merge threads x --merge-rate) and fits
-(every shard's estimate x 1.25 + 4 GB within --host-memory-gb, create.sh's rule), with each shard's memory
-there. Below the table, what one fragment holds. The runtime's syncer is one process: the shard counts are
-what a sharded syncer (whole fragments per shard, balanced by bytes) would need. Formulas:
-`diloco_jax/tools/sim/syncer.py`.
+For each config and M: the parameters the syncer must absorb per second and the merge cores that takes at
+--merge-rate; the syncer's peak memory estimate as one process, per shard and in total with --shards
+shards; and the smallest shard count that keeps up and fits (every shard's estimate x 1.25 + 4 GB within
+--host-memory-gb, create.sh's rule). Below the table, what one fragment holds. The columns in full:
+docs/simulator.md, "6. The syncer at scale"; formulas: `diloco_jax/tools/sim/syncer.py`.
 """
 
 from __future__ import annotations
