@@ -9,9 +9,6 @@ import helpers
 PACKAGE = helpers.REPO / "diloco_jax"
 MAX_LINES = 15
 
-# Temporary: these folders' modules are being rewritten by another change, which cuts their docstrings.
-# Remove this set (and its use below) when that change has landed; the last test says when it can go.
-BEING_REWRITTEN = {"diloco_jax/learner/", "diloco_jax/runs/", "diloco_jax/evaluator/"}
 
 
 def _docstrings() -> dict[str, str | None]:
@@ -31,10 +28,6 @@ def _lines(doc: str) -> int:
   return len(doc.splitlines())
 
 
-def _exempt(module: str) -> bool:
-  return any(module.startswith(folder) for folder in BEING_REWRITTEN)
-
-
 def test_every_module_has_a_docstring():
   missing = [module for module, doc in _docstrings().items() if not (doc and doc.strip())]
   assert not missing, f"modules without a docstring: {missing}"
@@ -42,13 +35,7 @@ def test_every_module_has_a_docstring():
 
 def test_module_docstrings_are_at_most_15_lines():
   long = {module: _lines(doc) for module, doc in _docstrings().items()
-          if doc and _lines(doc) > MAX_LINES and not _exempt(module)}
+          if doc and _lines(doc) > MAX_LINES}
   assert not long, f"module docstrings over {MAX_LINES} lines (move the detail to the code it describes or " \
                    f"to docs/*.md, with a pointer): {long}"
 
-
-def test_the_temporary_exceptions_are_still_needed():
-  docs = _docstrings()
-  for folder in BEING_REWRITTEN:
-    over = [module for module, doc in docs.items() if module.startswith(folder) and doc and _lines(doc) > MAX_LINES]
-    assert over, f"{folder}: every docstring is within {MAX_LINES} lines now: remove it from BEING_REWRITTEN"

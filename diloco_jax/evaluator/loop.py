@@ -1,24 +1,13 @@
 """The global model's eval curve: the syncer's global model evaluated on the run's shared eval set every
 `train.eval_every` steps of progress, off the learners' devices and threads.
 
-Progress is counted in the global model's tokens: the syncer's tokens merged (`outer.tokens_merged`: its
-per-fragment count over P), in steps of `data.global_batch * data.seq_len` tokens, the unit of the
-baseline's step, so that both curves line up (`metrics.py`). An eval is due when progress crosses the next
-multiple of `train.eval_every`; one runs at the start and, on `stop`, one more if the model moved since the
-last. Evals that fall behind skip marks rather than queue up.
-
-Pieces:
-* `GlobalEval`: the model of a config on a few devices, `params(vectors)` (the global model as params from
-  its fragment vectors: the form an export or any other use of the global model takes) and `loss(params)`.
-* `TransportSource`: the global model through `protocol.Transport`, as an observer: `status` for the
-  progress, full pulls for the fragments. It never joins and never pushes, so it is no member and never
-  counts toward a quorum. With a lossy downlink codec a full pull is the reference R_v the learners hold
-  (`syncer/downlink.py`), within one quantized delta of the syncer's Theta_v.
-* `GlobalEvaluator`: the thread that evaluates on schedule and writes each record (`step`, `tokens`,
-  `eval_loss`, `versions`, `elapsed_s`, `eval_s`) to a `metrics.MetricsLog` with `metrics.GLOBAL_EVAL_TAGS`.
-
-The `evaluator` command (`evaluator/process.py`) runs it against a gRPC syncer; the in-process run
-(`inprocess.py`) against its core, reading Theta itself.
+Progress is the syncer's tokens merged, in steps of `data.global_batch * data.seq_len` tokens (the unit of
+the baseline's step, so both curves line up). An eval runs at the start, whenever progress crosses the next
+multiple of `train.eval_every` (evals that fall behind skip marks), and on `stop` if the model moved.
+`GlobalEval` builds the global model as params from its fragment vectors and takes its loss;
+`TransportSource` reads it as an observer through any `protocol.Transport` (status and full pulls; it never
+joins); `GlobalEvaluator` is the thread writing each record to a `metrics.MetricsLog`. The `evaluator`
+command runs it against a gRPC syncer, `train` against its in-process core (docs/observability.md).
 """
 
 from __future__ import annotations

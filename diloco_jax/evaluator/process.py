@@ -1,23 +1,14 @@
-"""The global model's eval curve in a multi-process run: `python -m diloco_jax evaluator`.
+r"""The global model's eval curve in a multi-process run: `python -m diloco_jax evaluator`.
 
-    python -m diloco_jax evaluator --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 \\
+    python -m diloco_jax evaluator --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 \
         --workdir runs/r/global --token-file run.token --run-id r1
 
-With a sharded syncer, `--syncer` lists every shard (`HOST:PORT,HOST:PORT`, in shard order): the status is
-every shard's, combined, and each fragment is pulled from its shard (`transports/sharded.py`).
-
-An observer of the syncer (`evaluator/loop.py`): it asks for the syncer's status and pulls the global
-fragments like a learner that never pushes, without joining (`protocol.OBSERVER_ID`), so it is no member
-and never counts toward a quorum. It evaluates the global model on the run's shared eval set every
-`train.eval_every` steps of progress (tokens merged), on its own devices (the first `learners.devices`;
-on a CPU-only machine it gives itself fake ones), so it takes no learner time. `python -m diloco_jax
-local` starts one.
-
-The config (with its overrides) and `--run-id` must be the syncer's (the fingerprint travels on pulls).
-SIGTERM or SIGINT: one last eval if the global model moved since the previous one, then exit 0; a second
-signal exits at once. Output in `--workdir`: `metrics.jsonl` and TensorBoard event files (`eval/loss`
-against progress steps; `tokens` holds the tokens merged), `config.json`, and `summary.json` (the last
-record and the number of evals).
+An observer of the syncer (`evaluator/loop.py`): it reads the status and pulls the global fragments without
+joining (`protocol.messages.OBSERVER_ID`), so it never counts toward a quorum, and evaluates on its own
+devices every `train.eval_every` steps of progress. With a sharded syncer, `--syncer` lists every shard in
+shard order. The config (with its overrides) and `--run-id` must be the syncer's. SIGTERM or SIGINT: one
+last eval if the model moved, then exit 0; a second signal exits at once. Output in `--workdir`:
+`metrics.jsonl`, TensorBoard event files, `config.json` and `summary.json` (docs/observability.md).
 """
 
 from __future__ import annotations

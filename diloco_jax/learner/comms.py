@@ -1,23 +1,13 @@
 """A learner's outer-loop worker: everything that touches the network, off the inner loop's thread.
 
 `Comms.sync(...)` takes a fragment's outer gradient (a device array whose host copy is already under way)
-and returns a Future that, on background threads, brings it to the host, encodes it, pushes it, and waits
-for the global fragment that merges it. A heartbeat thread renews the learner's lease with its step time,
-its step counter and whether it is blocked on the syncer (so that the syncer can tell a stopped learner
-from a slow one), and notes the syncer's epoch.
-
-Restarts. Every answer names the syncer's epoch. When the comms see an epoch other than the one the
-learner's bases are named in (`epoch`), the syncer restarted: a sync in flight stops waiting for a merged
-fragment that may never come and returns `abandoned` (with the push's receipt, if the push got one), and
-`epoch_changed()` tells the learner to recover (`learner/loop.py`, docs/operations.md "Recovery").
-
-Fetches say which version's reference the learner holds (`have_version`, its base version for that
-fragment, and `have_epoch`, the epoch of the syncer that served it), so the syncer can answer with the
-quantized change from it (kind "delta", to be added to the base on the device) instead of the full fragment
-(see `syncer/downlink.py`).
-
-Every push carries an idempotency key: this worker's random `incarnation` (drawn once per learner process
-start) and a per-push `sequence`, so a push the transport retries after a lost reply is merged once.
+and returns a Future that, on background threads, brings it to the host, encodes it, pushes it with an
+idempotency key (a random `incarnation` per process start and a `sequence` per push: a retried push is
+merged once) and waits for the global fragment that merges it, fetched as a delta from the reference the
+learner holds when the syncer has one (`syncer/downlink.py`). A heartbeat thread renews the lease with the
+learner's step time, step counter and whether it is blocked on the syncer. Every answer names the syncer's
+epoch: when another shows up, the syncer restarted, a sync in flight stops waiting and returns
+`abandoned`, and `epoch_changed()` tells the learner to recover (docs/operations.md, "Recovery").
 """
 
 from __future__ import annotations

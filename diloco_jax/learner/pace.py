@@ -1,20 +1,11 @@
 """Emulated mixed hardware: a learner's inner steps stretched to a given speed, with step-time noise.
 
-Locally every learner runs on the same kind of (fake CPU) devices, so nothing makes one slower than
-another. `StepPacer` makes learner i behave like hardware of relative speed `emulation.speeds[i]`: after
-each inner step has finished on the device, the learner sleeps until the step took
-
-    target = step_s / speed * g,       g ~ Gamma(mean 1, coefficient of variation step_cv)
-
-seconds of wall time, where `step_s` is `emulation.step_s` or, when that is 0, the median of the learner's
-own last measured (unstretched) step times. A step whose computation already took longer than its target
-is not shortened (an "overrun", counted): with `step_s` set above the real step time, every learner runs
-at exactly its emulated speed whatever the load of the machine (the emulation `bench hetero` uses); with
-`step_s = 0` the stretch follows the real step time, and the fastest learners' noise is one-sided (a
-speed-1 step cannot be shortened).
-
-The sleep is part of the inner step: the learner reports it in its step time (which feeds the syncer's
-grace window) and counts it as compute, never as blocked time.
+`StepPacer` makes learner i behave like hardware of relative speed `emulation.speeds[i]`: after each inner
+step has finished on the device it sleeps until the step took `step_s / speed * g` seconds of wall time
+(g ~ Gamma of mean 1 and coefficient of variation `emulation.step_cv`), where `step_s` is
+`emulation.step_s` or, when that is 0, the median of the learner's own measured step times. A step whose
+computation already took longer is not shortened (an "overrun", counted). The sleep is part of the inner
+step: reported in its step time (the syncer's grace window) and counted as compute, never as blocked time.
 """
 
 from __future__ import annotations

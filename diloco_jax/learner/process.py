@@ -1,46 +1,16 @@
-"""One learner process talking to a gRPC syncer: `python -m diloco_jax learner`.
+r"""One learner process talking to a gRPC syncer: `python -m diloco_jax learner`.
 
-    umask 077; openssl rand -hex 32 > run.token
-    python -m diloco_jax syncer  --config configs/tiny_cpu.py --workdir runs/s --token-file run.token \\
-        --bind 127.0.0.1:50051 --run-id r1
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-    python -m diloco_jax learner --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 --learner-id 0 \\
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+    python -m diloco_jax learner --config configs/tiny_cpu.py --syncer 127.0.0.1:50051 --learner-id 0 \
         --workdir runs/l0 --token-file run.token --run-id r1
 
-The process trains on its own devices (the first `learners.devices` of `jax.devices()`: locally fake CPU
-devices, whose count must be set with XLA_FLAGS before jax starts, as `python -m diloco_jax local` does; on
-a TPU VM the host's chips). It reaches the syncer through `GrpcTransport`, which retries while the syncer
-is unreachable, so learners may start before the syncer, and survive its restart. A sharded syncer is
-named by every shard's address, in shard order (`--syncer HOST:PORT,HOST:PORT`): the learner then talks to
-each through its own `GrpcTransport`, under `transports/sharded.py` (fragments to their shard, membership
-to all).
-
-* The run token comes from `--token-file` or $DILOCO_TOKEN, never from the command line.
-* The config (with its `--config.x=y` overrides) and `--run-id` must be the syncer's: both enter the run
-  fingerprint, and a learner with another one is refused at Join.
-* SIGTERM or SIGINT: finish the current step, flush (push every fragment's pending work and adopt the
-  merged results), checkpoint, leave the quorum, write the summary, exit 0. All of it within
-  `comms.shutdown_grace_s` of the signal: a learner still waiting on the network then (a dead or
-  unreachable syncer, a round that does not close) abandons its syncs in flight, closes its connection,
-  checkpoints its current state and exits 0 (its summary says `"flush_abandoned": true`; the work of
-  the abandoned syncs is not in the global model). A second signal exits at once (status 1) and keeps
-  the last checkpoint.
-* Restarting with the same `--learner-id` and `--workdir` resumes from the learner's checkpoint (every
-  `train.checkpoint_every` steps and at the end) and rejoins: the learner pulls every current global
-  fragment before its first step.
-
-Output in `--workdir`: `checkpoints/`, `metrics.jsonl` and TensorBoard event files, `config.json` (the
-resolved config; its fingerprint beside it), and `summary.json` (run_learner's summary plus the process's
-wall time, payload byte counts and retries). Progress lines go to stderr.
-
-A learner spanning several processes (a TPU slice of several hosts) runs this same command on every host,
-with `--distributed` (jax.distributed auto-detected on Cloud TPU) or, locally, `--coordinator HOST:PORT
---num-processes H --process-id P` (or $DILOCO_COORDINATOR, $DILOCO_NUM_PROCESSES, $DILOCO_PROCESS_ID):
-its mesh covers the devices of all H processes (`learners.devices` in all), process 0 alone talks to the
-syncer and writes metrics and the summary, all of them write the checkpoints (give a `gs://`
---checkpoint-dir when the hosts share no disk; --workdir, for metrics and the summary, stays a local
-directory). If one of them dies or hangs for
-`learners.peer_timeout_s`, the others exit with status 3 (process 0 leaves the syncer first).
+It trains on its own devices (the first `learners.devices`: locally fake CPU devices set by XLA_FLAGS, on a
+TPU VM the host's chips) and reaches the syncer through `GrpcTransport`, which retries while the syncer is
+unreachable (a sharded syncer: every shard's address, in shard order). The config (with its overrides) and
+`--run-id` must be the syncer's. SIGTERM or SIGINT: flush, checkpoint, leave, exit 0 within
+`comms.shutdown_grace_s`; a second signal exits at once. The same `--learner-id` and `--workdir` resume.
+A learner spanning several processes runs this on every host with `--distributed` (or `--coordinator`,
+`--num-processes`, `--process-id`). docs/operations.md, "A learner process" and "multi-host".
 """
 
 from __future__ import annotations

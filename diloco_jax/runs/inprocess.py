@@ -3,19 +3,11 @@ concurrently (one thread each) against the syncer core through the in-process tr
 
   python -m diloco_jax train --config configs/small_cpu.py --workdir runs/diloco
 
-The same learners talk to a separate syncer process over gRPC with `python -m diloco_jax learner` (see
-`local`). On a machine whose only backend is the CPU, the command gives itself the fake CPU devices it
-needs: each learner's devices (`learners.devices`, or `learners.device_counts`) and learner 0's count
-more for the global model's evaluator (an explicit XLA_FLAGS=--xla_force_host_platform_device_count=N wins).
-
-The global model is evaluated every `train.eval_every` steps of progress (tokens merged, in steps of
-`data.global_batch` sequences) by an evaluator thread on devices no learner uses if there are any (else
-the host's CPU devices, which on a CPU-only machine the learners share). Output in the workdir (the same
-layout as `local`): `summary.json`, `config.json` (the resolved config, its fingerprint beside it),
-`learner_<i>/` (metrics.jsonl, TensorBoard event files, checkpoints), `global/` (the global model's eval
-curve), `syncer/` (the syncer's metrics, its decision for every round in `rounds.jsonl`, and
-`syncer_checkpoints/`), `plots/` (`python -m diloco_jax plot`), `model/` (the global model at the end,
-`export.py`: `python -m diloco_jax eval/sample --model`).
+On a CPU-only machine the command gives itself the fake CPU devices it needs (every learner's, and learner
+0's count more for the global model's evaluator; an explicit XLA_FLAGS wins). The global model is evaluated
+every `train.eval_every` steps of progress on devices no learner uses, if there are any. The workdir has
+the same layout as `local`'s (docs/observability.md, "What a run directory holds"); `--record-tape FILE`
+records the syncer's steps for `python -m diloco_jax replay`.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
-"""A syncer and N learner processes on this machine: `python -m diloco_jax local`.
+r"""A syncer, the global model's evaluator and N learner processes on this machine: `python -m diloco_jax local`.
 
-    python -m diloco_jax local --config configs/tiny_cpu.py --learners 2 --workdir runs/local \\
-        [--config.train.steps=200 ...]
+    python -m diloco_jax local --config configs/tiny_cpu.py --learners 2 --workdir runs/local \
+        [--config.train.steps=200 ...] [--syncer-shards S] [--hosts-per-learner H]
 
-Each learner is its own process with its own fake CPU devices (`XLA_FLAGS=
---xla_force_host_platform_device_count=<its learner's devices>` in its environment), talking to the syncer
-process over gRPC on loopback, exactly as on separate hosts. The launcher:
-
-1. writes a fresh random run token to `WORKDIR/token` (mode 600) and hands it to every child by file;
-2. starts the syncer (`--bind 127.0.0.1:0`) and waits for `WORKDIR/syncer/syncer.port`;
-3. with `--eval` (the default), starts the global model's evaluator (`python -m diloco_jax evaluator`, an
-   observer that never joins) in `WORKDIR/global`, on its own fake devices (as many as learner 0's);
-4. starts learner i in `WORKDIR/learner_<i>`; every child logs to `WORKDIR/logs/<name>.log`;
-5. shows overall progress (steps read from each learner's `metrics.jsonl`, the newest global eval loss from
-   `WORKDIR/global/metrics.jsonl`) and waits for the learners;
-6. asks the syncer for its status, stops the evaluator (its last eval) and then the syncer with SIGTERM (it
-   writes a final checkpoint), evaluates the global model from that checkpoint (`--eval`), exports it to
-   `WORKDIR/model` (`--export`; see `python -m diloco_jax eval/sample --model`), writes
-   `WORKDIR/summary.json` and the plots (`WORKDIR/plots/`), and prints where TensorBoard finds the logs.
-
-The resolved config goes to `WORKDIR/config.json` (and every child's workdir), its fingerprint beside it.
-
-With `--syncer-shards S`, the syncer is S processes on consecutive free loopback ports, shard i in
-`WORKDIR/syncer/shard_<i>` owning its fragments (`placement.assign_shards`; docs/architecture.md, "Sharded
-syncer"); learners and the evaluator get every shard's address, the summary reads every shard's status,
-and the final eval and export assemble the global model from every shard's checkpoint.
-
-With `--hosts-per-learner H`, each learner is H processes of 1/H of its fake CPU devices each,
-one learner spanning them through `jax.distributed` (a coordinator on a free loopback port, process 0
-talking to the syncer), as a learner spanning H hosts of a TPU slice; their logs are
-`WORKDIR/logs/learner_<i>_p<p>.log`.
-
-Rerunning on the same workdir resumes: the syncer from its checkpoint, each learner from its own.
-Ctrl-C (or SIGTERM) stops everything cleanly: learners first (they flush and checkpoint), then the syncer;
-a child still alive after `--stop-timeout-s` is killed; the launcher exits 128 + the signal number. A child
-that fails stops the run: the launcher names it, prints its log tail, and exits 1. Children run in their
-own sessions (a terminal's Ctrl-C reaches only the launcher, which orders the shutdown) and get SIGTERM if
-the launcher dies (Linux parent-death signal).
+Each child is its own process with its own fake CPU devices, talking over gRPC on loopback as on separate
+hosts, sharing a fresh run token (`WORKDIR/token`); every child logs to `WORKDIR/logs/<name>.log`. When the
+learners are done the launcher stops the evaluator and the syncer (final checkpoint), evaluates and exports
+the global model (`WORKDIR/model`) and writes `WORKDIR/summary.json` and `WORKDIR/plots/`. Rerunning on the
+same workdir resumes. Ctrl-C stops every child in order (learners first) and exits 128 + the signal; a
+failing child is named with its log tail and the launcher exits 1. docs/operations.md, "The local
+launcher".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The syncer process: `python -m diloco_jax syncer`.
+r"""The syncer process: `python -m diloco_jax syncer`.
 
     python -m diloco_jax syncer --config configs/tiny_cpu.py --workdir runs/syncer \
         --bind 127.0.0.1:50051 --token-file secrets/run.token --run-id r1

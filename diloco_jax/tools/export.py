@@ -1,7 +1,7 @@
-"""`python -m diloco_jax export`: the global model of a syncer's checkpoint, as a model directory
+r"""`python -m diloco_jax export`: the global model of a syncer's checkpoint, as a model directory
 (`runs/export.py` says what it holds) that `eval` and `sample` load.
 
-  python -m diloco_jax export --syncer-workdir runs/x/syncer --config configs/small_cpu.py --run-id local \\
+  python -m diloco_jax export --syncer-workdir runs/x/syncer --config configs/small_cpu.py --run-id local \
       --out runs/x/model
 
 It exports from a syncer's checkpoint directory on request (a running syncer's latest periodic checkpoint,

@@ -1,4 +1,4 @@
-"""`python -m diloco_jax bench chaos`: goodput on the real runtime under one fault schedule, Decoupled
+r"""`python -m diloco_jax bench chaos`: goodput on the real runtime under one fault schedule, Decoupled
 DiLoCo beside data-parallel, beside what the simulator predicts for both.
 
     python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \

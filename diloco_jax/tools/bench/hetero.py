@@ -1,4 +1,4 @@
-"""`python -m diloco_jax bench hetero --config configs/tiny_cpu.py [--groups 0.847:2,1:2] [--processes]`
+r"""`python -m diloco_jax bench hetero --config configs/tiny_cpu.py [--groups 0.847:2,1:2] [--processes]`
 
 Mixed-speed learners under the paper's three quorum settings, on the same learner set and token budget:
 K = M (every live learner), K = 1 without a grace window, and K = 1 with the adaptive grace window. By

@@ -1,4 +1,4 @@
-"""A multi-process run under a seeded fault schedule: `python -m diloco_jax chaos`.
+r"""A multi-process run under a seeded fault schedule: `python -m diloco_jax chaos`.
 
     python -m diloco_jax chaos --config configs/tiny_cpu.py --learners 3 --seed 0 \
         [--schedule FILE] [--workdir runs/chaos] [--config.train.steps=2000]

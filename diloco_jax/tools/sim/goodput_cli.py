@@ -1,4 +1,4 @@
-"""`python -m diloco_jax sim goodput [flags]`: goodput of DP, elastic DP and Decoupled DiLoCo under failures.
+r"""`python -m diloco_jax sim goodput [flags]`: goodput of DP, elastic DP and Decoupled DiLoCo under failures.
 
 Examples:
   python -m diloco_jax sim goodput --table                    # the published grid, beside the paper
