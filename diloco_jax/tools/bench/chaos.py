@@ -4,8 +4,7 @@ DiLoCo beside data-parallel, beside what the simulator predicts for both.
     python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \
         --mtbf-s 15 --repair-s 10 --min-step-s 0.1 [--config.train.steps=3000] [--workdir runs/bench_chaos]
 
-(3,000 steps of tiny_cpu draw about 20 failures per strategy; a run of 1,000 draws 3 to 6, too few to
-compare with the simulator's rate. Four runs, about 30 minutes.)
+(3,000 steps of tiny_cpu draw about 20 failures per strategy; 1,000 too few. Four runs, about 30 minutes.)
 
 The schedule is the simulator's failure model on the real processes (`failure_schedule`; `--schedule FILE`
 replaces it with any `chaos` schedule): a failure kills one Decoupled DiLoCo learner, the others go on; it

@@ -1,8 +1,7 @@
 r"""`python -m diloco_jax sim goodput [flags]`: goodput of DP, elastic DP and Decoupled DiLoCo under failures.
 
 Examples:
-  python -m diloco_jax sim goodput --table                    # the published grid, beside the paper
-  python -m diloco_jax sim goodput --table --learners 8 --chips 1200000,2400000   # part of it
+  python -m diloco_jax sim goodput --table --learners 8 --chips 1200000,2400000   # the published grid (part)
   python -m diloco_jax sim goodput --chips 1200000 --learners 8 --strategy dp,elastic,diloco
   python -m diloco_jax sim goodput --chips 150000,600000,2400000 --strategy diloco --learners 4,8 --json
   # The paper's mixed-hardware experiment: K = M, K = 1 without grace, K = 1 + grace, failures negligible.
