@@ -33,3 +33,9 @@ def test_the_command_prints_the_package_and_exits_0():
   assert lines[0].startswith("largest module: ") and lines[1].startswith("largest class: ")
   assert lines[2].startswith("largest function: ") and any(x.startswith("over the targets") for x in lines)
   assert "_pb2" not in proc.stdout
+
+
+def test_the_package_meets_the_size_targets():
+  # Modules <= 400 lines, classes <= 300, functions <= 60 (docs/architecture.md, "Sizes": no exceptions).
+  over = sizes.over_targets(sizes.measure())
+  assert not over, f"over the size targets: {[(s.where, s.kind, s.lines) for s in over]}"
