@@ -8,7 +8,7 @@ import pathlib
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from absl import flags
 from ml_collections import config_flags
@@ -33,7 +33,7 @@ def enable_compilation_cache() -> None:
   big models). Directory: $DILOCO_JAX_CACHE, default ~/.cache/diloco_jax/xla; set it empty to disable."""
   # Lazy, as every jax import here: commands without a model (sim, plot, status, sizes) use
   # this module and start without importing jax.
-  import jax
+  import jax  # noqa: PLC0415 - lazy: see the comment above
 
   path = os.environ.get(CACHE_ENV, str(pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"))
   if path:
@@ -50,7 +50,7 @@ def devices(count: int, command: str) -> list:
   `count` and, if the CPU turns out to be the only platform, says so in one line on stderr. On a machine
   with accelerators the setting only shapes the host's CPU backend, which no training step uses.
   """
-  import jax  # lazy: see enable_compilation_cache
+  import jax  # noqa: PLC0415 - lazy: see enable_compilation_cache
 
   chosen = DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_NUM_CPU_DEVICES")
   asked = False
@@ -115,7 +115,7 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
   (`check_fragment_plan`), and with `data` (every command that reads the data, i.e. all but the syncer) the
   data files the config names (`data.check_files`). A bad field exits with status 2 and a message naming it."""
   # Lazy: the data pipeline imports jax (through grain), and model-free commands (sim) start without it.
-  from diloco_jax.data import pipeline as data_lib
+  from diloco_jax.data import pipeline as data_lib  # noqa: PLC0415 - lazy: see the comment above
 
   try:
     config_lib.validate(config, num_devices, learners=learners)
@@ -132,7 +132,7 @@ def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
   # Lazy, as in `validated`: compute/plans reaches jax through the model.
-  from diloco_jax.compute import plans
+  from diloco_jax.compute import plans  # noqa: PLC0415 - lazy: see the comment above
 
   try:
     plans.run_plan(config)
@@ -162,7 +162,7 @@ class StopSignals:
     self.stopped = threading.Event()
     self._previous: dict = {}
 
-  def __enter__(self) -> "StopSignals":
+  def __enter__(self) -> StopSignals:
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
     return self

@@ -21,7 +21,8 @@ import pathlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import tensorboardX

@@ -266,7 +266,7 @@ def test_observers_pull_and_ids_outside_the_run_are_refused(syncer):
 
 def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
   core = helpers.make_core((5000,), codec="int4")
-  limits = limits_lib.Limits(pulls_per_caller=2, rate_per_s=0.5, rate_burst=3)
+  limits = limits_lib.Limits.defaults(pulls_per_caller=2, rate_per_s=0.5, rate_burst=3)
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits)
   try:
     waiting = [_send_pull(handle, 0, timeout_s=30.0) for _ in range(2)]  # long-polls for version 1
@@ -290,7 +290,7 @@ def test_pulls_in_flight_and_call_rates_are_bounded_per_caller():
 
 def test_the_client_retries_a_busy_data_plane_and_close_ends_its_transfers():
   core = helpers.make_core((5000,), codec="int4")
-  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits(rate_per_s=4, rate_burst=1))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits.defaults(rate_per_s=4, rate_burst=1))
   try:
     t = client(handle, backoff_s=0.05, unreachable_deadline_s=10.0)
     t.join(0, FP)  # a gRPC call: its own caller

@@ -318,7 +318,7 @@ def test_client_translates_refusals(syncer):
 def test_rate_limit_is_per_caller_and_the_client_backs_off():
   core = make_core()
   handle = service.serve(core, "127.0.0.1:0", token=TOKEN,
-                         limits=limits_lib.Limits(rate_per_s=2.0, rate_burst=3))
+                         limits=limits_lib.Limits.defaults(rate_per_s=2.0, rate_burst=3))
   try:
     with client(handle, unreachable_deadline_s=0.2, backoff_s=0.05) as t:
       t.join(0, FP)

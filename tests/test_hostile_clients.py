@@ -166,7 +166,7 @@ def test_a_flood_under_the_victims_id_does_not_spend_its_rate(syncer):
 
 def test_cancelled_streams_end_quietly(caplog):
   core = helpers.make_core((200_000,), num_learners=2)
-  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits(chunk_bytes=4096))
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN, limits=limits_lib.Limits.defaults(chunk_bytes=4096))
   caplog.set_level(logging.DEBUG)
   try:
     core.join(0, FP)

@@ -18,7 +18,6 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-
 # Several managers saving the same step at once from threads of one process (the in-process learners)
 # trip over each other's temporary directories in orbax; such saves go one at a time.
 _THREADED_SAVES = threading.Lock()

@@ -11,11 +11,12 @@ collectives in between; with `Explicit` axes every op of the model would need an
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax.config.resolve import resolve_axis_sizes  # pure, shared with config validation
 

@@ -21,17 +21,18 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+
 # jax has no public key-value API for the coordination service; orbax's multihost utilities reach the
 # same client this way.
 from jax._src import distributed as jax_distributed
-from jax.sharding import NamedSharding, PartitionSpec as P
-
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class PeerWatch:
     self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
     self.lost: str | None = None
 
-  def start(self) -> "PeerWatch":
+  def start(self) -> PeerWatch:
     self._thread.start()
     return self
 

@@ -8,8 +8,7 @@ from `model.abstract_params`. The pure rules are in `outer/fragments.py` and `ou
 from __future__ import annotations
 
 from diloco_jax.compute import model
-from diloco_jax.outer import fragments
-from diloco_jax.outer import placement
+from diloco_jax.outer import fragments, placement
 
 
 def run_plan(config) -> fragments.FragmentPlan:

@@ -4,7 +4,8 @@ DiLoCo learner share.
 `MeshTrainer` owns the sharded train state, its data shard (a grain iterator), the jitted inner and eval
 steps, checkpoints and the step/token counters. Its mesh may span several processes (a multi-host
 learner): every process then builds the same trainer, reads only its own rows of each batch
-(`mesh.process_rows`), and writes the checkpoints together with the others. `run_loop` is the loop skeleton both the baseline and the
+(`mesh.process_rows`), and writes the checkpoints together with the others. `run_loop` is the loop skeleton
+both the baseline and the
 learners run (metrics records, evals, checkpoints); what differs (the learner's outer loop) happens inside
 the step function they hand it.
 """
@@ -14,16 +15,16 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from diloco_jax.compute import checkpoint as checkpoint_lib
-from diloco_jax.data import pipeline as data_lib
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
+from diloco_jax.data import pipeline as data_lib
 
 
 class NonFiniteLoss(FloatingPointError):

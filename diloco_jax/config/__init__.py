@@ -9,13 +9,39 @@ frozen RunSpec, and the run's config.json. Imports no jax, flax or optax.
 `from diloco_jax import config as config_lib` gives the names below.
 """
 
-from diloco_jax.config.files import (CONFIG_FILE, FINGERPRINT_FILE, config_json, fingerprint, load_resolved,
-                                     save_resolved)
-from diloco_jax.config.resolve import (CommsSpec, DataSpec, EmulationSpec, LearnersSpec, MeshSpec, ModelSpec,
-                                       OuterSpec, RunSpec, SyncerSpec, TrainSpec, as_config, resolve,
-                                       resolve_axis_sizes)
-from diloco_jax.config.schema import (INNER_FIELDS, SCHEMA, TIERS, ConfigError, base_config, field_paths, tier_of,
-                                      use_token_shards)
+from diloco_jax.config.files import (
+                                     CONFIG_FILE,
+                                     FINGERPRINT_FILE,
+                                     config_json,
+                                     fingerprint,
+                                     load_resolved,
+                                     save_resolved,
+)
+from diloco_jax.config.resolve import (
+                                     CommsSpec,
+                                     DataSpec,
+                                     EmulationSpec,
+                                     LearnersSpec,
+                                     MeshSpec,
+                                     ModelSpec,
+                                     OuterSpec,
+                                     RunSpec,
+                                     SyncerSpec,
+                                     TrainSpec,
+                                     as_config,
+                                     resolve,
+                                     resolve_axis_sizes,
+)
+from diloco_jax.config.schema import (
+                                     INNER_FIELDS,
+                                     SCHEMA,
+                                     TIERS,
+                                     ConfigError,
+                                     base_config,
+                                     field_paths,
+                                     tier_of,
+                                     use_token_shards,
+)
 from diloco_jax.config.validate import validate
 
 __all__ = ["CONFIG_FILE", "FINGERPRINT_FILE", "INNER_FIELDS", "SCHEMA", "TIERS", "CommsSpec", "ConfigError",

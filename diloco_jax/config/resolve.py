@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import ml_collections
 
 from diloco_jax.config.schema import SCHEMA
-from diloco_jax.outer import chunked
-from diloco_jax.outer import schedule
+from diloco_jax.outer import chunked, schedule
 
 
 class _Section:

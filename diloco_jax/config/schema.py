@@ -38,7 +38,7 @@ def _f(default, tier: str, kind: type | None = None) -> Field:
   return Field(default, tier, kind)
 
 
-U, E, O, X = USER, EXPERT, OPERATIONS, EMULATION
+U, E, OP, X = USER, EXPERT, OPERATIONS, EMULATION
 # section ("" = top level) -> field -> (default, tier). docs/configs.md has each field's full meaning.
 SCHEMA: dict[str, dict[str, Field]] = {
     "": {"seed": _f(0, U)},
@@ -66,7 +66,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "global_batch": _f(16, U),  # sequences per step over the whole run (all learners together)
         "eval_fraction": _f(0.05, E),  # of files, held out for eval (file-level split)
         "eval_batches": _f(4, E),
-        "max_bytes": _f(0, O),  # cap on corpus bytes read (0 = no cap); keeps tests fast
+        "max_bytes": _f(0, OP),  # cap on corpus bytes read (0 = no cap); keeps tests fast
         # The baseline's batch at step s: the M learners' batches side by side, or one shuffle of all windows.
         "baseline_order": _f("learner_shards", E),
     },
@@ -81,22 +81,22 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "b2": _f(0.95, E),
         "eps": _f(1e-8, E),
         "grad_clip": _f(1.0, E),  # global-norm clipping threshold; 0 = off
-        "log_every": _f(10, O),
-        "eval_every": _f(50, O),
-        "checkpoint_every": _f(0, O),  # 0 = only at the end
-        "keep_checkpoints": _f(2, O),
+        "log_every": _f(10, OP),
+        "eval_every": _f(50, OP),
+        "checkpoint_every": _f(0, OP),  # 0 = only at the end
+        "keep_checkpoints": _f(2, OP),
     },
     "mesh": {  # axis sizes of one learner's mesh (or the baseline's); one -1 fill
         "data": _f(-1, E),
         "fsdp": _f(1, E),
         "tensor": _f(1, E),
-        "num_devices": _f(0, O),  # baseline: devices to use (0 = all)
+        "num_devices": _f(0, OP),  # baseline: devices to use (0 = all)
     },
     "learners": {
         "num": _f(4, U),  # M
         "devices": _f(2, U),  # devices per learner slice (locally: fake CPU devices)
         "device_counts": _f((), E),  # per-learner devices, one per learner; derived: () = `devices` each
-        "peer_timeout_s": _f(60.0, O),  # a multi-process learner is out when one process is silent this long
+        "peer_timeout_s": _f(60.0, OP),  # a multi-process learner is out when one process is silent this long
     },
     # The learners' inner optimizer; derived: None = the `train` field.
     "learners.inner": {name: _f(None, E, kind) for name, kind in INNER_FIELDS.items()},
@@ -125,35 +125,35 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "max_grace_s": _f(5.0, E),
         "max_norm_ratio": _f(10.0, E),  # refuse an outer gradient > this x the recent median norm (0 = off)
         # Derived: 0 = what the schedule needs, ceil(tau P / H) + 1 (`fragments.in_flight_limit`).
-        "max_in_flight": _f(0, O),
-        "downlink_history": _f(0, O),  # references kept per fragment; derived: 0 = 2 x learners.num
-        "lease_s": _f(30.0, O),  # a learner silent this long leaves the quorum
+        "max_in_flight": _f(0, OP),
+        "downlink_history": _f(0, OP),  # references kept per fragment; derived: 0 = 2 x learners.num
+        "lease_s": _f(30.0, OP),  # a learner silent this long leaves the quorum
         # A learner whose step counter stands this long (plus one step), unless it waits on the syncer, stops
         # counting toward quorums. Derived: 0 = outer.max_grace_s, at least 0.5 s.
-        "stall_s": _f(0.0, O),
+        "stall_s": _f(0.0, OP),
     },
     "comms": {  # a learner process's gRPC client (learner/process.py)
-        "chunk_kb": _f(1024, O),  # Push chunk size (must stay under syncer.max_message_mb)
-        "unreachable_deadline_s": _f(300.0, O),  # keep retrying an unreachable syncer this long, then fail
-        "backoff_s": _f(0.1, O),  # first retry delay; doubles up to max_backoff_s
-        "max_backoff_s": _f(2.0, O),  # bounds how long after a syncer restart a learner reaches it
-        "call_timeout_s": _f(120.0, O),  # deadline of one call attempt (a Pull adds its long-poll time)
-        "shutdown_grace_s": _f(30.0, O),  # after SIGTERM/SIGINT the final flush gets this long
+        "chunk_kb": _f(1024, OP),  # Push chunk size (must stay under syncer.max_message_mb)
+        "unreachable_deadline_s": _f(300.0, OP),  # keep retrying an unreachable syncer this long, then fail
+        "backoff_s": _f(0.1, OP),  # first retry delay; doubles up to max_backoff_s
+        "max_backoff_s": _f(2.0, OP),  # bounds how long after a syncer restart a learner reaches it
+        "call_timeout_s": _f(120.0, OP),  # deadline of one call attempt (a Pull adds its long-poll time)
+        "shutdown_grace_s": _f(30.0, OP),  # after SIGTERM/SIGINT the final flush gets this long
     },
     "syncer": {  # the gRPC syncer process (syncer/app.py)
-        "chunk_kb": _f(1024, O),  # Pull chunk size
-        "max_message_mb": _f(4, O),  # gRPC message size limit, both ways
-        "max_push_mb": _f(2048, O),  # declared size of one Push (also capped by the largest fragment in fp32)
-        "rate_limit_per_s": _f(50.0, O),  # calls per learner per second, sustained (0 = unlimited)
-        "rate_limit_burst": _f(200.0, O),
-        "max_pull_wait_s": _f(60.0, O),  # long-poll cap of one Pull
-        "stream_stall_s": _f(10.0, O),  # a Push or Pull stream that moves no payload bytes this long is cut
-        "stream_deadline_s": _f(600.0, O),  # no Push or Pull stream lasts longer (long-poll wait excluded)
-        "data_plane": _f(True, O),  # also serve payloads on a raw-TCP port (gRPC stays the control plane)
-        "merge_threads": _f(0, O),  # threads of a round's merge; derived: 0 = this host's cores, at most 8
-        "checkpoint_every_rounds": _f(10, O),  # closed rounds between checkpoints; 0 = at stop
-        "keep_checkpoints": _f(3, O),
-        "shutdown_grace_s": _f(2.0, O),  # in-flight calls get this long after SIGTERM/SIGINT
+        "chunk_kb": _f(1024, OP),  # Pull chunk size
+        "max_message_mb": _f(4, OP),  # gRPC message size limit, both ways
+        "max_push_mb": _f(2048, OP),  # declared size of one Push (also capped by the largest fragment in fp32)
+        "rate_limit_per_s": _f(50.0, OP),  # calls per learner per second, sustained (0 = unlimited)
+        "rate_limit_burst": _f(200.0, OP),
+        "max_pull_wait_s": _f(60.0, OP),  # long-poll cap of one Pull
+        "stream_stall_s": _f(10.0, OP),  # a Push or Pull stream that moves no payload bytes this long is cut
+        "stream_deadline_s": _f(600.0, OP),  # no Push or Pull stream lasts longer (long-poll wait excluded)
+        "data_plane": _f(True, OP),  # also serve payloads on a raw-TCP port (gRPC stays the control plane)
+        "merge_threads": _f(0, OP),  # threads of a round's merge; derived: 0 = this host's cores, at most 8
+        "checkpoint_every_rounds": _f(10, OP),  # closed rounds between checkpoints; 0 = at stop
+        "keep_checkpoints": _f(3, OP),
+        "shutdown_grace_s": _f(2.0, OP),  # in-flight calls get this long after SIGTERM/SIGINT
     },
     "emulation": {  # emulated hardware, links and faults (tests, chaos, benchmarks); all off by default
         # Mixed hardware (learner/pace.py): learner i's steps stretched to step_s / speeds[i] x noise.
@@ -166,7 +166,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "cutoff_file": _f("", X),  # the link is down while this file exists ({learner}: the id)
     },
 }
-del U, E, O, X
+del U, E, OP, X
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -15,8 +15,8 @@ from diloco_jax.config.resolve import resolve, resolve_axis_sizes
 from diloco_jax.config.schema import BASELINE_ORDERS, OPTIMIZERS, ConfigError
 from diloco_jax.outer.codec import CODECS
 from diloco_jax.outer.fragments import PLANS
-from diloco_jax.outer.schedule import SCHEDULES
 from diloco_jax.outer.merge import MERGE_RULES
+from diloco_jax.outer.schedule import SCHEDULES
 
 
 def _fail(field: str, message: str):

@@ -16,14 +16,14 @@ with the checkpoint; `set_state()` on a fresh iterator of the same config resume
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grain
 import numpy as np
 
 from diloco_jax.config.schema import ConfigError
-from diloco_jax.data import corpus
-from diloco_jax.data import token_windows
+from diloco_jax.data import corpus, token_windows
 
 # Bounded host-side prefetch: batch assembly is a few numpy slices, so a couple of threads keep up with any
 # step time, and a small buffer keeps memory flat when many learners share one process.

@@ -14,15 +14,14 @@ from __future__ import annotations
 import heapq
 import json
 import os
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from diloco_jax.data import corpus
-from diloco_jax.data import token_windows
-from diloco_jax.data import tokenizer as tokenizer_lib
 from diloco_jax.config.schema import ConfigError
+from diloco_jax.data import corpus, token_windows
+from diloco_jax.data import tokenizer as tokenizer_lib
 
 CHUNK_TOKENS = 4096  # tokens per record: one or two reads per window of 2,049
 # group_size 1: one record per chunk of the file, which random access needs (grain's recommendation).

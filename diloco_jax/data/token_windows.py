@@ -13,8 +13,9 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+from collections.abc import Sequence
 from concurrent import futures
-from typing import Any, Sequence
+from typing import Any
 
 import grain
 import numpy as np

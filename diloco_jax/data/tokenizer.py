@@ -18,14 +18,15 @@ import functools
 import hashlib
 import io
 import os
-from typing import Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from diloco_jax.data import corpus
 from diloco_jax.config.schema import ConfigError
+from diloco_jax.data import corpus
 
 BYTE_VOCAB_SIZE = 256
 # SentencePiece fields fixed for every model this module trains (see the module docstring).
@@ -221,8 +222,7 @@ def read_files(root: epath.Path, rels: Iterable[str], max_bytes: int = 0) -> Ite
 
 def _sentences(documents: Iterable[str]) -> Iterator[str]:
   for text in documents:
-    for piece in _line_aligned(text, _SENTENCE_BYTES // 4):  # characters: up to 4 UTF-8 bytes each
-      yield piece
+    yield from _line_aligned(text, _SENTENCE_BYTES // 4)  # characters: up to 4 UTF-8 bytes each
 
 
 def train_sentencepiece(documents: Iterable[str], vocab_size: int, *, num_threads: int = 0) -> bytes:

@@ -16,18 +16,19 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from diloco_jax.outer import codec as codec_lib
-from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
-from diloco_jax.outer import merge as outer_lib
 from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.outer import fragments as fragments_lib
+from diloco_jax.outer import merge as outer_lib
 from diloco_jax.protocol.interfaces import Transport
 from diloco_jax.protocol.messages import Kind
 
@@ -84,7 +85,7 @@ class EvalSchedule:
   num_fragments: int
 
   @classmethod
-  def from_config(cls, config) -> "EvalSchedule":
+  def from_config(cls, config) -> EvalSchedule:
     return cls(every=int(config.train.eval_every), tokens_per_step=config.data.global_batch * config.data.seq_len,
                num_fragments=config.outer.num_fragments)
 
@@ -194,7 +195,7 @@ class GlobalEvaluator:
         log.warning("global eval failed (%d so far): %s", self.failures, e)
       self._stop.wait(self.poll_s)
 
-  def start(self) -> "GlobalEvaluator":
+  def start(self) -> GlobalEvaluator:
     self._thread = threading.Thread(target=self._run, name="global-eval", daemon=True)
     self._thread.start()
     return self

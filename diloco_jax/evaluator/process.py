@@ -23,11 +23,10 @@ from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import plans
+from diloco_jax.evaluator import loop
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.protocol.reasons import Rejected
-from diloco_jax.evaluator import loop
-from diloco_jax.transports import client_flags
-from diloco_jax.transports import sharded
+from diloco_jax.transports import client_flags, sharded
 from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 

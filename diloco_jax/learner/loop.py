@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -39,7 +39,7 @@ class StepPacer:
     self.slept_s = 0.0
 
   @classmethod
-  def from_spec(cls, spec, learner_id: int) -> "StepPacer":
+  def from_spec(cls, spec, learner_id: int) -> StepPacer:
     """Learner `learner_id`'s pacer from a resolved spec's `emulation` (speed, step_cv, step_s), seeded per
     learner."""
     em = spec.emulation

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from absl import flags
@@ -29,14 +29,12 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
-from diloco_jax.compute import multihost
-from diloco_jax.compute import plans
-from diloco_jax.protocol.reasons import Rejected
+from diloco_jax.compute import multihost, plans
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.learner import summary as summary_lib
-from diloco_jax.transports import client_flags
-from diloco_jax.transports import sharded
+from diloco_jax.protocol.reasons import Rejected
+from diloco_jax.transports import client_flags, sharded
 from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 

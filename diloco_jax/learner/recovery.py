@@ -10,7 +10,8 @@ import collections
 import dataclasses
 import enum
 import statistics
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.protocol.messages import Kind, Versions

@@ -6,7 +6,8 @@ others follow. The `Learner` calls its strategy at the same points in the same o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np

@@ -18,7 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def default_threads(limit: int = DEFAULT_THREAD_LIMIT) -> int:
   return max(1, min(cores, limit))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
   # One pool per thread count for the life of the process (daemon-like workers; idle ones cost nothing).
   return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunked")

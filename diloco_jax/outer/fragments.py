@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

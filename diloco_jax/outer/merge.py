@@ -18,15 +18,12 @@ round answers for (`merge_coefficients`); optionally in RDA form (`merge`). docs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from diloco_jax.outer import chunked
-from diloco_jax.outer import codec
-from diloco_jax.outer import codec_kernels
-from diloco_jax.outer import fragments
-from diloco_jax.outer import nesterov
+from diloco_jax.outer import chunked, codec, codec_kernels, fragments, nesterov
 
 MERGE_RULES = ("tokens", "tokens_sq_per_step", "uniform")
 

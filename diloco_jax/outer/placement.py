@@ -9,7 +9,7 @@ the wire; a call that reaches the wrong shard anyway is refused ("wrong_shard").
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def assign_shards(weights: Sequence[int], shards: int) -> list[list[int]]:

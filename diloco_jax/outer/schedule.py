@@ -15,7 +15,8 @@ ascending, so gaps never shrink (`front_loaded_steps`). The plan then carries ev
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 

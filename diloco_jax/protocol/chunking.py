@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from diloco_jax.protocol.reasons import Reason
 

@@ -11,11 +11,19 @@ holds (unset `have_version`) gets the full fragment.
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 from diloco_jax.protocol.chunking import chunks
-from diloco_jax.protocol.messages import (EpochRecord, HeartbeatCall, Kind, Published, PullCall, Push, PushReceipt,
-                                          Versions)
+from diloco_jax.protocol.messages import (
+  EpochRecord,
+  HeartbeatCall,
+  Kind,
+  Published,
+  PullCall,
+  Push,
+  PushReceipt,
+  Versions,
+)
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 
 # ---- Join, Leave, Heartbeat, Status ---------------------------------------------------------------------

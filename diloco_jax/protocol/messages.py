@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 # The id an observer (the global-model evaluator, `status`) uses on its calls: it pulls and asks for the
 # status without ever joining, so it is no member and never counts toward a quorum.

@@ -24,12 +24,12 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.data import pipeline as data_lib
-from diloco_jax.runs import export as export_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import model as model_lib
-from diloco_jax.runs import plots as plot_lib
 from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.runs import export as export_lib
+from diloco_jax.runs import plots as plot_lib
 
 
 def make_trainer(config, workdir: str | None) -> trainer_lib.MeshTrainer:
@@ -58,7 +58,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
   log = metrics_lib.MetricsLog(workdir, tags=metrics_lib.BASELINE_TAGS)
   if not quiet:
     print(f"baseline: {params:,} params, {flops / 1e6:.1f} MFLOPs/token, mesh {dict(trainer.mesh.shape)}, "
-          f"all-reduce {per_step_bytes / 2**20:.2f} MiB/worker/step" + (f", resumed at step {trainer.step}" if resumed else ""))
+          f"all-reduce {per_step_bytes / 2**20:.2f} MiB/worker/step"
+          + (f", resumed at step {trainer.step}" if resumed else ""))
   total = config.train.steps
   bar = metrics_lib.progress(total, initial=trainer.step, desc="baseline") if not quiet else None
   eval_loss = initial_eval_loss = None

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -121,7 +122,8 @@ def load(model_dir: str | pathlib.Path, devices: Sequence[jax.Device] | None = N
   try:
     mesh = mesh_lib.make_mesh(devices, mesh_lib.mesh_axes_from_config(config))
   except ValueError as e:
-    raise ValueError(f"the model's mesh axes do not fit {len(devices)} devices ({e}); choose another --devices")
+    raise ValueError(f"the model's mesh axes do not fit {len(devices)} devices ({e}); "
+                     "choose another --devices") from None
   graphdef, abstract = model_lib.abstract_model(config.model, mesh)
   checkpointer = ocp.StandardCheckpointer()
   try:
@@ -167,7 +169,7 @@ def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | p
   first = found[0][0]
   num = len(first["fragments"])
   fragments, versions, seen = [None] * num, [0] * num, set()
-  for (state, _), workdir in zip(found, workdirs):
+  for state, _ in found:
     if state["fingerprint"] != first["fingerprint"]:
       raise ValueError(f"the syncer checkpoints in {[str(w) for w in workdirs]} are of different runs")
     owned = state.get("owned")  # a shard's fragments (None: every fragment, an unsharded syncer)
@@ -180,7 +182,8 @@ def syncer_params(config, syncer_workdirs: str | pathlib.Path | Sequence[str | p
                      "syncer: give every shard's workdir)")
   state = {"fingerprint": first["fingerprint"], "fragments": fragments, "versions": versions}
   infos = [i for _, i in found]
-  info = infos[0] if len(infos) == 1 else {"step": [i["step"] for i in infos], "rounds": sum(i["rounds"] for i in infos)}
+  info = (infos[0] if len(infos) == 1
+          else {"step": [i["step"] for i in infos], "rounds": sum(i["rounds"] for i in infos)})
   cpu_mesh = mesh_lib.make_mesh(jax.devices("cpu")[:1], {"data": 1, "fsdp": 1, "tensor": 1})
   _, template = model_lib.abstract_model(config.model, cpu_mesh)
   params = build.global_params_from_state(config, state, run_id, template)

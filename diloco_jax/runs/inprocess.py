@@ -15,7 +15,7 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -23,14 +23,14 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import export as export_lib
-from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
+from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
-from diloco_jax.outer import merge as outer_lib
-from diloco_jax.runs import plots as plot_lib
 from diloco_jax.evaluator import loop as eval_loop
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.outer import merge as outer_lib
+from diloco_jax.runs import export as export_lib
+from diloco_jax.runs import plots as plot_lib
 from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint as syncer_checkpoint
 from diloco_jax.syncer.monitor import SyncerMonitor
@@ -197,7 +197,7 @@ def _train_learners(job: InProcessRun, evaluator, *, quiet: bool) -> tuple[list,
   Returns (each learner's summary, the errors)."""
   learners, num = job.learners, job.config.learners.num
   total = num * job.config.train.steps
-  bar = metrics_lib.progress(total, initial=sum(l.trainer.step for l in learners), desc="train") if not quiet else None
+  bar = metrics_lib.progress(total, initial=sum(x.trainer.step for x in learners), desc="train") if not quiet else None
   bar_lock = threading.Lock()
   results: list[dict | None] = [None] * num
   errors: list[BaseException] = []

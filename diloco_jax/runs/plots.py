@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from diloco_jax import metrics as metrics_lib
 
@@ -80,10 +80,10 @@ def load_run(path: str | pathlib.Path) -> Run:
 
 
 def _pyplot():
-  import matplotlib  # lazy: only drawing needs matplotlib, and it takes a while to import
+  import matplotlib  # noqa: PLC0415 - lazy: only drawing needs matplotlib, and it takes a while to import
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use, as above
 
   return plt
 
@@ -181,7 +181,7 @@ def _bytes(ax, runs: Sequence[Run]) -> bool:
         drawn = True
       continue
     learners = run.learners()
-    for j, (name, records) in enumerate(learners):
+    for j, (_, records) in enumerate(learners):
       # A learner reads 1/M of the run's batch: its tokens times M are the run's.
       points = [(r["tokens"] * len(learners), r["comm_bytes"]) for r in records if r.get("comm_bytes")]
       if points:

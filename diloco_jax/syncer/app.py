@@ -28,13 +28,13 @@ from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.protocol import run_token
 from diloco_jax.syncer import checkpoint
-from diloco_jax.syncer.server.auth import TlsConfig, check_bind
 from diloco_jax.syncer.build import build_core
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.monitor import SyncerMonitor
-from diloco_jax.syncer.tape import Tape
+from diloco_jax.syncer.server.auth import TlsConfig, check_bind
 from diloco_jax.syncer.server.grpc_service import serve
 from diloco_jax.syncer.server.limits import Limits, workers_for
+from diloco_jax.syncer.tape import Tape
 from diloco_jax.syncer.ticker import Ticker
 
 log = logging.getLogger(__name__)

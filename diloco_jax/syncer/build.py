@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from diloco_jax import config as config_lib
-from diloco_jax.outer import fragments
 from diloco_jax.compute import model
-from diloco_jax.outer import placement
+from diloco_jax.outer import fragments, placement
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.settings import SyncerSettings
 

@@ -102,7 +102,8 @@ class Journal:
   A record whose versions moved is fsynced before the rename (a version is durable, also against a host
   crash, before any learner can see it); the others only survive the process (kill -9), not the host.
   With `timeline`, every change of versions also appends {"t": wall time, "epoch", "versions",
-  "tokens_merged"} to that JSON-lines file (what `chaos` measures and plots). The core calls it under its lock, in order.
+  "tokens_merged"} to that JSON-lines file (what `chaos` measures and plots). The core calls it under its lock,
+  in order.
   """
 
   def __init__(self, path: str | pathlib.Path, timeline: str | pathlib.Path | None = None):

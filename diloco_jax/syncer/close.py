@@ -9,15 +9,13 @@ non-finite value writes nothing and is refused whole); the publication is the do
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from diloco_jax.outer import merge as outer
 from diloco_jax.syncer.downlink import Downlink
-from diloco_jax.syncer.rules import admission
-from diloco_jax.syncer.rules import membership
-from diloco_jax.syncer.rules import rounds
+from diloco_jax.syncer.rules import admission, membership, rounds
 from diloco_jax.syncer.state import FragmentState, SyncerState
 
 log = logging.getLogger(__name__)

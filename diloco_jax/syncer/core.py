@@ -17,16 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
 from diloco_jax.protocol.reasons import Reason, Rejected
+from diloco_jax.syncer import snapshot, views
 from diloco_jax.syncer import tape as tape_lib
-from diloco_jax.syncer import snapshot
-from diloco_jax.syncer import views
 from diloco_jax.syncer.downlink import Downlink, new_epoch
 from diloco_jax.syncer.machine import Machine
 from diloco_jax.syncer.rules import admission, membership, rounds

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -163,7 +163,7 @@ class Downlink:
     }
 
   @classmethod
-  def renumbered(cls, old: "Downlink", versions: Sequence[int]) -> "Downlink":
+  def renumbered(cls, old: Downlink, versions: Sequence[int]) -> Downlink:
     """`old`'s references, epoch and codec, published under new `versions` (a restored syncer raised to
     the versions its previous lifetime published). Its deltas are dropped: they name the old numbers."""
     out = cls.__new__(cls)
@@ -176,7 +176,7 @@ class Downlink:
 
   @classmethod
   def restore(cls, state: dict, sizes: Sequence[int], codec: str, block: int, fragments: list[np.ndarray],
-              versions: list[int], epoch: int, threads: int = 1, history: int = 1) -> "Downlink":
+              versions: list[int], epoch: int, threads: int = 1, history: int = 1) -> Downlink:
     """The downlink of a checkpoint, under a new `epoch`. A checkpoint without references (an fp32 downlink
     run) gives R = Theta, which is what its learners were served; deltas of another codec are dropped."""
     out = cls(sizes, codec, block, fragments, epoch, threads, history)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from diloco_jax.outer import merge as outer
 from diloco_jax.protocol.messages import Kind, Published, Push, PushReceipt, Versions
 from diloco_jax.protocol.reasons import Reason, Rejected, shorten
-from diloco_jax.syncer import close
-from diloco_jax.syncer import snapshot
+from diloco_jax.syncer import close, snapshot
 from diloco_jax.syncer.downlink import Downlink
 from diloco_jax.syncer.rules import admission, membership, recovery, rounds
 from diloco_jax.syncer.state import Contribution, KeyRecord, Round, SyncerState

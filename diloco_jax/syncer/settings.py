@@ -61,7 +61,7 @@ class SyncerSettings:
     return self.num_fragments if self.owned is None else len(self.owned)
 
   @classmethod
-  def from_spec(cls, spec, plan, fingerprint: str, owned: tuple[int, ...] | None = None) -> "SyncerSettings":
+  def from_spec(cls, spec, plan, fingerprint: str, owned: tuple[int, ...] | None = None) -> SyncerSettings:
     """Settings from a resolved `config.RunSpec` and the run's `fragments.FragmentPlan` (its fragment sizes
     and longest gap); `owned`: a shard's fragments (`placement.assign_shards`)."""
     sizes = tuple(plan.size(p) for p in range(plan.num_fragments))
@@ -69,7 +69,7 @@ class SyncerSettings:
 
   @classmethod
   def for_fragments(cls, spec, sizes: tuple[int, ...], period_steps: int, fingerprint: str,
-                    owned: tuple[int, ...] | None = None) -> "SyncerSettings":
+                    owned: tuple[int, ...] | None = None) -> SyncerSettings:
     """`from_spec` with the plan's two contributions given: the fragment sizes and the schedule's longest gap
     (benchmarks and tests of synthetic fragments)."""
     o = spec.outer

@@ -21,7 +21,8 @@ import pathlib
 import struct
 import threading
 import zlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

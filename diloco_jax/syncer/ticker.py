@@ -31,7 +31,7 @@ class Ticker:
     if start:
       self.start()
 
-  def start(self) -> "Ticker":
+  def start(self) -> Ticker:
     self._thread.start()
     return self
 
@@ -65,7 +65,7 @@ class Ticker:
     if self._thread.is_alive():
       self._thread.join(timeout_s)
 
-  def __enter__(self) -> "Ticker":
+  def __enter__(self) -> Ticker:
     return self
 
   def __exit__(self, *exc) -> None:

@@ -21,20 +21,20 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.data import corpus as corpus_lib
-from diloco_jax.data import pipeline as data_lib
-from diloco_jax.runs import export as export_lib
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
-from diloco_jax.data import tokenizer as tokenizer_lib
 from diloco_jax.config.schema import ConfigError
+from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.data import tokenizer as tokenizer_lib
+from diloco_jax.runs import export as export_lib
 
 
 @dataclasses.dataclass(frozen=True)

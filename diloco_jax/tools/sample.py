@@ -22,9 +22,9 @@ import numpy as np
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.runs import export as export_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
+from diloco_jax.runs import export as export_lib
 
 
 @functools.lru_cache(maxsize=8)

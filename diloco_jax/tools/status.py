@@ -24,8 +24,7 @@ from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.protocol import messages as protocol
-from diloco_jax.transports import client_flags
-from diloco_jax.transports import sharded
+from diloco_jax.transports import client_flags, sharded
 from diloco_jax.transports.errors import AuthError, SyncerError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 

@@ -22,8 +22,7 @@ from etils import epath
 
 from diloco_jax import cli
 from diloco_jax.config.schema import ConfigError
-from diloco_jax.data import token_windows
-from diloco_jax.data import shards
+from diloco_jax.data import shards, token_windows
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 

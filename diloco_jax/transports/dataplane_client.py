@@ -19,8 +19,7 @@ import threading
 
 from google.protobuf.message import DecodeError
 
-from diloco_jax.protocol import convert
-from diloco_jax.protocol import wire
+from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.chunking import BufferPool, ProtocolError
 from diloco_jax.protocol.messages import Published, PushReceipt
 from diloco_jax.protocol.reasons import shorten, status_of

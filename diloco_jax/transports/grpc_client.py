@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -135,7 +135,7 @@ class GrpcTransport:
     self._stub = pb_grpc.SyncerStub(self._channel)
 
   @classmethod
-  def from_config(cls, config, target: str, token: str, learner_id: int, **tls) -> "GrpcTransport":
+  def from_config(cls, config, target: str, token: str, learner_id: int, **tls) -> GrpcTransport:
     """A client configured from `config.comms` (retries, chunks), `config.emulation` (WAN emulation) and
     `config.syncer` (message size); `tls`: tls_ca, tls_cert, tls_key, tls_server_name."""
     c, em = config.comms, config.emulation

@@ -16,7 +16,8 @@ import logging
 import random
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from diloco_jax.protocol.reasons import REASONS, Reason, Rejected, shorten
 from diloco_jax.transports.errors import AuthError, CallFailed, LinkDown, SyncerError, SyncerUnreachable

@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from diloco_jax.protocol.interfaces import Transport
 from diloco_jax.protocol.messages import EpochRecord, Published, Push, PushReceipt, Versions
@@ -350,7 +350,7 @@ class ShardedTransport:
     self._beat_pool.shutdown(wait=False, cancel_futures=True)
     self._calls.shutdown(wait=False, cancel_futures=True)
 
-  def __enter__(self) -> "ShardedTransport":
+  def __enter__(self) -> ShardedTransport:
     return self
 
   def __exit__(self, *exc) -> None:

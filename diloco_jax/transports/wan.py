@@ -19,7 +19,7 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from diloco_jax.protocol.ratelimit import TokenBucket
 from diloco_jax.transports.errors import LinkDown
@@ -36,7 +36,7 @@ class WanSpec:
   cutoff_file: str = ""  # the link is down while this file exists ("" = never)
 
   @classmethod
-  def from_gbps(cls, gbps: float, latency_ms: float = 0.0, **kw) -> "WanSpec":
+  def from_gbps(cls, gbps: float, latency_ms: float = 0.0, **kw) -> WanSpec:
     """A symmetric link of `gbps` gigabits/s (0 = unlimited) and `latency_ms` one-way."""
     rate = gbps * 1e9 / 8
     return cls(up_bytes_per_s=rate, down_bytes_per_s=rate, latency_s=latency_ms / 1e3, **kw)

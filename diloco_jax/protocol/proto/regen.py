@@ -18,8 +18,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 def regenerate(argv=None) -> int:
   """Runs protoc on diloco.proto and makes the service module import its messages package-relative."""
   del argv
-  from grpc_tools import protoc
-  import grpc_tools
+  import grpc_tools  # noqa: PLC0415 - a developer tool's dependency, not the package's
+  from grpc_tools import protoc  # noqa: PLC0415 - a developer tool's dependency, not the package's
 
   include = pathlib.Path(grpc_tools.__file__).parent / "_proto"  # well-known types
   rc = protoc.main([

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from diloco_jax.protocol.reasons import Reason, shorten
 from diloco_jax.syncer.rules.quorum import estimate_step_time

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from diloco_jax.protocol.messages import EpochRecord
 from diloco_jax.syncer.state import MODEL_COUNTERS, merge_counters

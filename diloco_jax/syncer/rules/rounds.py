@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

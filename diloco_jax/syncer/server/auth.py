@@ -15,7 +15,7 @@ import hmac
 import ipaddress
 import logging
 import pathlib
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

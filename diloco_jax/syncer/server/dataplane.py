@@ -26,8 +26,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from diloco_jax.protocol import convert
-from diloco_jax.protocol import wire
+from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.chunking import BufferPool
 from diloco_jax.protocol.messages import Published, PullCall
 from diloco_jax.protocol.reasons import Reason, Rejected
@@ -46,7 +45,7 @@ class DataPlaneLimits:
   pull_poll_s: float = 1.0  # a pull's long-poll checks this often whether its client went away
 
   @classmethod
-  def from_service(cls, limits) -> "DataPlaneLimits":
+  def from_service(cls, limits) -> DataPlaneLimits:
     """The data plane's limits from the gRPC service's `Limits`: the same stall and deadline."""
     return cls(io_timeout_s=float(limits.stream_stall_s), transfer_timeout_s=float(limits.stream_deadline_s))
 
@@ -108,7 +107,7 @@ class DataPlaneServer:
     while not self._stop.is_set():
       try:
         conn, _ = self._sock.accept()
-      except (socket.timeout, TimeoutError):
+      except TimeoutError:
         continue
       except OSError:
         if self._stop.is_set():

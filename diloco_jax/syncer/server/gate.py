@@ -20,7 +20,8 @@ import hmac
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from diloco_jax.protocol.interfaces import SyncerAPI
 from diloco_jax.protocol.messages import OBSERVER_ID, HeartbeatCall, Published, PullCall, Push, PushReceipt, Versions
@@ -52,9 +53,10 @@ class SyncerGate:
     max_workers: the gRPC server's threads: a quarter may serve Pushes and a half Pulls.
   """
 
-  def __init__(self, core: SyncerAPI, limits: Limits = Limits(), fingerprint: str | None = None,
+  def __init__(self, core: SyncerAPI, limits: Limits | None = None, fingerprint: str | None = None,
                max_workers: int = 32):
     self.core = core
+    limits = limits or Limits.defaults()
     self.limits = limits
     self.fingerprint = fingerprint
     self.data_port = 0  # the data plane's port, told to learners at Join (0: none)

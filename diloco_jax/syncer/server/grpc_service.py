@@ -50,7 +50,7 @@ class ServerHandle:
 
 
 def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsConfig | None = None,
-          limits: Limits = Limits(), fingerprint: str | None = None, max_workers: int = 32,
+          limits: Limits | None = None, fingerprint: str | None = None, max_workers: int = 32,
           allow_remote: bool = False, data_plane: bool = True) -> ServerHandle:
   """Start the syncer service for `core` on `bind` in a thread pool; return at once.
 
@@ -71,6 +71,7 @@ def serve(core: SyncerAPI, bind: str = "127.0.0.1:0", *, token: str, tls: TlsCon
   if max_workers < 4:
     raise ValueError(f"max_workers must be >= 4 (pushes, pulls and control calls each need threads), got "
                      f"{max_workers}")
+  limits = limits or Limits.defaults()
   gate = SyncerGate(core, limits, fingerprint, max_workers=max_workers)
   servicer = SyncerServicer(gate)
   options = [

@@ -6,27 +6,31 @@ import dataclasses
 
 from diloco_jax import config as config_lib
 
-DEFAULT_CHUNK_BYTES = 1 << 20
-DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit
-
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """What one call may ask of the server."""
 
-  chunk_bytes: int = DEFAULT_CHUNK_BYTES  # Pull chunk size
-  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # per gRPC message, both directions
-  max_push_bytes: int = 2 << 30  # declared payload size of one Push (also capped by the core's largest)
-  rate_per_s: float = 50.0  # calls per second per caller (sustained)
-  rate_burst: float = 200.0  # calls a caller may make at once
-  max_pull_wait_s: float = 60.0  # long-poll cap: a Pull holds a worker thread at most this long
-  stream_stall_s: float = 10.0  # a stream that moves no payload bytes this long is cut
-  stream_deadline_s: float = 600.0  # no stream lasts longer (a Pull's long-poll wait not counted)
-  pushes_per_caller: int = 4  # Push streams one connection may have in flight
-  pulls_per_caller: int = 4  # Pulls one caller may have in flight
+  chunk_bytes: int  # Pull chunk size
+  max_message_bytes: int  # per gRPC message, both directions
+  max_push_bytes: int  # declared payload size of one Push (also capped by the core's largest)
+  rate_per_s: float  # calls per second per caller (sustained)
+  rate_burst: float  # calls a caller may make at once
+  max_pull_wait_s: float  # long-poll cap: a Pull holds a worker thread at most this long
+  stream_stall_s: float  # a stream that moves no payload bytes this long is cut
+  stream_deadline_s: float  # no stream lasts longer (a Pull's long-poll wait not counted)
+  pushes_per_caller: int  # Push streams one connection may have in flight
+  pulls_per_caller: int  # Pulls one caller may have in flight
 
   @classmethod
-  def from_config(cls, config) -> "Limits":
+  def defaults(cls, **overrides) -> Limits:
+    """The limits of the base config (the one source of defaults), with `overrides` on top."""
+    return dataclasses.replace(cls.from_config(config_lib.base_config()), **overrides)
+
+  @classmethod
+  def from_config(cls, config) -> Limits:
+    """The limits of a run's config (`syncer.*`, and the learners' comms workers)."""
+    config = config_lib.resolve(config)
     s = config.syncer
     in_flight = 2 * learner_in_flight(config)  # a learner's comms workers, and a retry of each
     return cls(

@@ -29,13 +29,12 @@ import threading
 import jax
 from absl import flags
 
-from diloco_jax.runs import baseline
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import inprocess
-from diloco_jax.runs import children as run_children
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.runs import baseline, inprocess
+from diloco_jax.runs import children as run_children
 from diloco_jax.tools.sim import goodput as sim_goodput
 from diloco_jax.tools.sim.args import parse_groups
 
@@ -124,12 +123,12 @@ def calibrate_step_s(config, steps: int = 40) -> float:
     except BaseException as e:  # noqa: BLE001 - re-raised below
       errors.append(e)
 
-  threads = [threading.Thread(target=work, args=(l,)) for l in job.learners]
+  threads = [threading.Thread(target=work, args=(x,)) for x in job.learners]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
-  times = [l.comms.step_time_s for l in job.learners]
+  times = [x.comms.step_time_s for x in job.learners]
   job.close()
   if errors:
     raise errors[0]
@@ -139,7 +138,7 @@ def calibrate_step_s(config, steps: int = 40) -> float:
 def _goodput(learners: list[dict]) -> float:
   """Mean over learners of compute / (compute + blocked): the share of its loop time a learner spent in
   inner steps (the emulated stretch included) rather than waiting on the outer loop."""
-  return statistics.fmean(l["compute_s"] / max(l["compute_s"] + l["blocked_s"], 1e-9) for l in learners)
+  return statistics.fmean(x["compute_s"] / max(x["compute_s"] + x["blocked_s"], 1e-9) for x in learners)
 
 
 def _rounds(records_path: pathlib.Path) -> dict:
@@ -213,21 +212,21 @@ def run(config, *, settings, speeds, step_cv, step_s, workdir: pathlib.Path, pro
     log(f"bench hetero: {SETTINGS[setting]} ...")
     out = workdir / setting
     s = (_run_processes(list(config_argv), setting_fields, out) if processes else _run_in_process(c, out))
-    learners = [l for l in s["learners"] if not l.get("missing")]
-    fast = [l for l in learners if l.get("pace", {}).get("speed", 1.0) == max(speeds)]
+    learners = [x for x in s["learners"] if not x.get("missing")]
+    fast = [x for x in learners if x.get("pace", {}).get("speed", 1.0) == max(speeds)]
     # The speed-1 step as run (overruns included): what the simulator's step_s stands for.
-    step_fast = statistics.fmean(l["compute_s"] / max(l["steps"], 1) * l["pace"]["speed"] for l in fast)
+    step_fast = statistics.fmean(x["compute_s"] / max(x["steps"], 1) * x["pace"]["speed"] for x in fast)
     t_sync = statistics.fmean(s["t_sync_s"])
     sim, lockstep = simulated(c, setting, tuple(speeds), step_cv, step_fast, t_sync, sim_repeats)
     rows[setting] = {
         "setting": setting, "label": SETTINGS[setting], "goodput": _goodput(learners), "sim_goodput": sim,
         "lockstep": lockstep, "eval_loss": s["final_eval_loss"],
         "contributions_late": s["contributions_late"], "contributions_merged": s["contributions_merged"],
-        "rx_mib": statistics.fmean(l["bytes_received"] for l in learners) / 2**20,
-        "tx_mib": statistics.fmean(l["bytes_sent"] for l in learners) / 2**20,
-        "blocked_s": {l["learner"]: l["blocked_s"] for l in learners},
-        "overrun_steps": sum(l.get("pace", {}).get("overrun_steps", 0) for l in learners),
-        "steps": sum(l["steps"] for l in learners), "step_s_speed1": step_fast, "t_sync_s": t_sync,
+        "rx_mib": statistics.fmean(x["bytes_received"] for x in learners) / 2**20,
+        "tx_mib": statistics.fmean(x["bytes_sent"] for x in learners) / 2**20,
+        "blocked_s": {x["learner"]: x["blocked_s"] for x in learners},
+        "overrun_steps": sum(x.get("pace", {}).get("overrun_steps", 0) for x in learners),
+        "steps": sum(x["steps"] for x in learners), "step_s_speed1": step_fast, "t_sync_s": t_sync,
         "wall_s": s["wall_s"], "tokens": s["tokens"], "paper": PAPER[setting], **_rounds(s["rounds_file"]),
     }
     r = rows[setting]

@@ -32,11 +32,11 @@ from jax.experimental import multihost_utils
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
-from diloco_jax.runs import children as run_children
 from diloco_jax.compute import multihost
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import group as group_lib
 from diloco_jax.learner import loop as loop_lib
+from diloco_jax.runs import children as run_children
 from diloco_jax.syncer import build
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport

@@ -27,8 +27,8 @@ import jax
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.runs import inprocess
 from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.runs import inprocess
 
 
 def _flags(fv):

@@ -24,10 +24,9 @@ import sys
 
 from absl import flags
 
-from diloco_jax.runs import baseline
 from diloco_jax import cli
-from diloco_jax.runs import inprocess
 from diloco_jax import metrics as metrics_lib
+from diloco_jax.runs import baseline, inprocess
 
 # The goals this benchmark reports against: DiLoCo's eval loss within this factor of data-parallel, at
 # this multiple of the config's steps (and, for any budget, at least 100x fewer bytes).
@@ -123,7 +122,8 @@ def _curve(path: pathlib.Path) -> list[tuple[int, float]]:
 
 def _settings(config) -> dict:
   o, t, inner = config.outer, config.train, config.learners.inner
-  return {"H": o.sync_every, "schedule": _schedule(config), "P": o.num_fragments, "M": config.learners.num, "outer_lr": o.lr,
+  return {"H": o.sync_every, "schedule": _schedule(config), "P": o.num_fragments, "M": config.learners.num,
+          "outer_lr": o.lr,
           "outer_momentum": o.momentum, "codec": o.codec, "downlink_codec": o.downlink_codec,
           "min_quorum": o.min_quorum, "tau": o.tau, "steps": t.steps, "lr": t.lr,
           "learners_inner": {k: v for k, v in inner.items() if v is not None}}
@@ -166,17 +166,17 @@ def plot(results: dict[int, dict], path: str) -> str:
   """Eval loss against tokens at the largest budget (both runs; the global model's for DiLoCo, evaluated
   every `train.eval_every` steps of learner 0), and the loss ratio against the budget. Every budget runs
   with everything else as configured (warmup, evaluation interval)."""
-  import matplotlib  # lazy: only this output needs it, and it adds a second to the import
+  import matplotlib  # noqa: PLC0415 - lazy: only this output needs it, and it adds a second to the import
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use, as above
 
   budgets = sorted(results)
   top = results[budgets[-1]]
   fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
   for key, label in (("dp_curve", "data-parallel"), ("diloco_curve", "Decoupled DiLoCo (global model)")):
-    points = [(t, l) for t, l in top[key] if t > 0]
-    ax0.plot([t for t, _ in points], [l for _, l in points], marker="o", ms=3, label=label)
+    points = [(t, loss) for t, loss in top[key] if t > 0]
+    ax0.plot([t for t, _ in points], [loss for _, loss in points], marker="o", ms=3, label=label)
   ax0.set_xlabel("tokens")
   ax0.set_ylabel("eval loss (nats per byte)")
   ax0.set_title(f"{budgets[-1]}x budget: {top['steps']} steps")
@@ -229,7 +229,8 @@ def bench_quality(argv) -> int:
   shutil.rmtree(root, ignore_errors=True)
   print(f"bench quality: data-parallel, then Decoupled DiLoCo (M={config.learners.num}, "
         f"codec {config.outer.codec}/{config.outer.downlink_codec}, H={config.outer.sync_every} "
-        f"{_schedule(config)}, P={config.outer.num_fragments}, outer lr {config.outer.lr}, K={config.outer.min_quorum or 'all'}), "
+        f"{_schedule(config)}, P={config.outer.num_fragments}, outer lr {config.outer.lr}, "
+        f"K={config.outer.min_quorum or 'all'}), "
         f"{config.data.global_batch} sequences a step, at {', '.join(f'{b * base_steps}' for b in budgets)} steps",
         file=sys.stderr)
   results = {}

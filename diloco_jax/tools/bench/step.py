@@ -25,14 +25,15 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import flags
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import cli
-from diloco_jax.data import pipeline as data_lib
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.compute import trainer as trainer_lib
+from diloco_jax.data import pipeline as data_lib
 
 # Distinct device batches cycled through the timed steps: more than one, so no step sees its predecessor's
 # exact input, few, so that they cost little memory.

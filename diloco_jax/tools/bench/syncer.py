@@ -27,16 +27,16 @@ import time
 import numpy as np
 from absl import flags
 
-from diloco_jax.outer import chunked
 from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax.outer import chunked
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import merge as outer
-from diloco_jax.tools.bench import outer_reference
 from diloco_jax.outer.codec import CODECS
 from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.settings import SyncerSettings
+from diloco_jax.tools.bench import outer_reference
 
 LR, MOMENTUM = 0.7, 0.9
 FINGERPRINT = "bench-syncer"

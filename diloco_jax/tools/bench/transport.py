@@ -4,7 +4,8 @@ For each codec (fp32/bf16/int8/int4) a fragment of `--mb` MB of float32 paramete
 to and pulled from a syncer service running in a separate process (so that each end's memory is its own),
 through the real client (`GrpcTransport`: auth, byte counters) and the real service (`syncer/server/grpc_service.py`:
 auth, validation, reassembly), twice: payloads in gRPC chunks (`grpc`), and over the service's raw-TCP data
-plane (`data`: `syncer/dataplane.py`, with gRPC as the control plane). Behind the service is a stub `SyncerAPI` that checks the
+plane (`data`: `syncer/server/dataplane.py`, with gRPC as the control plane). Behind the service is a stub
+`SyncerAPI` that checks the
 payload's CRC-32 and serves a pre-encoded fragment: the figures are the transport's, not the outer step's.
 Beside it, the same bytes go through a raw TCP socket in the same run: the floor that gRPC is measured
 against. Peak RSS: psutil high-water marks sampled every 2 ms in each process during each codec's transfers.
@@ -151,7 +152,7 @@ def _recv_exact(conn, n):
 def _serve(size: int, block: int, chunk_kb: int) -> int:
   sampler = RssSampler()
   core = _BenchCore(size, block, sampler)
-  limits = limits_lib.Limits(chunk_bytes=chunk_kb * 1024, max_push_bytes=8 * size + (1 << 20), rate_per_s=0)
+  limits = limits_lib.Limits.defaults(chunk_bytes=chunk_kb * 1024, max_push_bytes=8 * size + (1 << 20), rate_per_s=0)
   handle = service.serve(core, "127.0.0.1:0", token=os.environ[TOKEN_ENV], limits=limits)
   raw = socket.socket()
   raw.bind(("127.0.0.1", 0))
@@ -237,14 +238,14 @@ def _measure(t, path, codecs, vec, block, repeats, sampler, raw, raw_buf, size) 
     t.status()
     sampler.reset()
     sent0, recv0 = t.bytes_sent, t.bytes_received
-    push_s = _best(lambda: t.push(push), repeats)
-    pull_s = _best(lambda: t.pull(i, 0), repeats)
+    push_s = _best(lambda push=push: t.push(push), repeats)
+    pull_s = _best(lambda i=i: t.pull(i, 0), repeats)
     wire_sent, wire_received = t.bytes_sent - sent0, t.bytes_received - recv0
     client_rss = sampler.reset()
     server_rss = t.status()["peak_rss"]
     n = len(payload)
-    raw_push_s = _best(lambda: _raw_push(raw, payload), repeats)
-    raw_pull_s = _best(lambda: _raw_pull(raw, n, raw_buf), repeats)
+    raw_push_s = _best(lambda payload=payload: _raw_push(raw, payload), repeats)
+    raw_pull_s = _best(lambda n=n: _raw_pull(raw, n, raw_buf), repeats)
     rows.append({
         "codec": name, "path": path, "params": size, "payload_mb": n / 1e6,
         "push_mb_s": n / 1e6 / push_s, "pull_mb_s": n / 1e6 / pull_s,
@@ -263,7 +264,8 @@ def format_table(rows) -> str:
   for r in rows:
     lines.append(f"{r['codec']:<6}{r['path']:>5}{r['payload_mb']:>11.1f}{r['push_mb_s']:>11.0f}{r['pull_mb_s']:>11.0f}"
                  f"{r['raw_send_mb_s']:>10.0f}{r['raw_recv_mb_s']:>10.0f}{r['push_vs_raw']:>9.2f}{r['pull_vs_raw']:>9.2f}"
-                 f"{100 * r['framing_overhead']:>8.3f}%{r['client_peak_rss_mb']:>10.0f}MB{r['server_peak_rss_mb']:>10.0f}MB")
+                 f"{100 * r['framing_overhead']:>8.3f}%{r['client_peak_rss_mb']:>10.0f}MB"
+                 f"{r['server_peak_rss_mb']:>10.0f}MB")
   return "\n".join(lines)
 
 

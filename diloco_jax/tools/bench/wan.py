@@ -28,9 +28,9 @@ import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
+from diloco_jax.compute import model as model_lib  # noqa: E402
 from diloco_jax.outer import codec as codec_lib  # noqa: E402
 from diloco_jax.outer import schedule  # noqa: E402
-from diloco_jax.compute import model as model_lib  # noqa: E402
 from diloco_jax.tools.bench.wan_mode import BareSteps, Mode, run_mode  # noqa: E402
 from diloco_jax.transports import wan as wan_lib  # noqa: E402
 
@@ -149,7 +149,8 @@ def run_paper(config, *, latency_ms: float = 10.0, steps: int = 0, sync_steps: b
     int4_per_param = codec_lib.encoded_size(1 << 20, "int4", config.outer.codec_block) / (1 << 20)
     need_h = min_sync_every(params, int4_per_param, rate * bare_s)
     link = {"mb_s": rate / 1e6, "gbps": rate * 8 / 1e9, "latency_ms": latency_ms, "dp_workers": max(workers, 2),
-            "chosen": f"1/{PAPER_REDUCTION} of data-parallel's {PAPER_REDUCTION * rate / 1e6:.2f} MB/s", "min_h": need_h}
+            "chosen": f"1/{PAPER_REDUCTION} of data-parallel's {PAPER_REDUCTION * rate / 1e6:.2f} MB/s",
+            "min_h": need_h}
     log(f"bench wan --paper-link: {params:,} params, bare step {1e3 * bare_s:.1f} ms; data-parallel among "
         f"{link['dp_workers']} needs {PAPER_REDUCTION * rate / 1e6:.2f} MB/s each way; the link: {rate / 1e6:.4f} MB/s "
         f"({rate * 8 / 1e6:.3f} Mbit/s), {latency_ms:g} ms one-way; int4 at P = H fits from H = {need_h} (H = {h})")

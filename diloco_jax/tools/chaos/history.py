@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:

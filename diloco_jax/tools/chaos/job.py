@@ -13,12 +13,11 @@ import shutil
 import signal
 import time
 
-from diloco_jax.runs import local as launch_local
 from diloco_jax.runs import children as run_children
 from diloco_jax.runs import launcher as run_launcher
+from diloco_jax.runs import local as launch_local
 from diloco_jax.tools.chaos import analysis
 from diloco_jax.tools.chaos.schedule import LEARNER_KINDS, Event
-
 
 LEARNER_CHECKPOINT_EVERY = 100  # steps, when the config checkpoints learners only at the end
 

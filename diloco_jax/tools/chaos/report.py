@@ -4,7 +4,7 @@ reports, as a markdown table (`summary_table`)."""
 from __future__ import annotations
 
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from diloco_jax import config as config_lib
 from diloco_jax.tools.chaos.analysis import verdict
@@ -22,7 +22,8 @@ def format_report(config, report: dict) -> str:
            f"  longest time without any version advancing: {report['longest_stall_s']:.2f} s outside syncer "
            f"outages ({report['longest_stall_raw_s']:.2f} s with them)"
            + (f"; undisturbed {report['reference']['longest_stall_s']:.2f} s, excess "
-              f"{report['excess_stall_s']:.2f} s (bound: stall {config_lib.resolve(config).outer.stall_s:g} s + one step "
+              f"{report['excess_stall_s']:.2f} s (bound: stall "
+              f"{config_lib.resolve(config).outer.stall_s:g} s + one step "
               f"{report['step_time_s']:.3f} s)" if "reference" in report else "")]
   for n, o in enumerate(report["syncer_restarts"]):
     back = o["back_to_merging_s"]
@@ -51,10 +52,10 @@ def format_report(config, report: dict) -> str:
 def plot_timeline(report: dict, path: pathlib.Path, num_fragments: int) -> None:
   """Learners alive (and stopped, dead, cut off), the syncer's outages, each fragment's version, and the
   events, against wall time."""
-  import matplotlib  # lazy: only this figure needs it (a second to import); --summarize and the text do not
+  import matplotlib  # noqa: PLC0415 - lazy: only this figure needs it (a second to import); --summarize and the text do not
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use, as above
 
   t0 = report["t_launch"]
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, gridspec_kw={"height_ratios": [1, 2]})

@@ -10,7 +10,6 @@ import pathlib
 
 import numpy as np
 
-
 KINDS = ("learner_kill", "learner_stop", "learner_cutoff", "syncer_kill", "syncer_term")
 LEARNER_KINDS = ("learner_kill", "learner_stop", "learner_cutoff")
 

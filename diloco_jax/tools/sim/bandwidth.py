@@ -51,7 +51,7 @@ class BandwidthConfig:
   quant_bits: int = 4
   quant_block: int = 128  # parameters per bf16 scale
 
-  def validate(self) -> "BandwidthConfig":
+  def validate(self) -> BandwidthConfig:
     """Raise ValueError naming the offending flag."""
     checks = [
         (self.params > 0, f"--params must be > 0, got {self.params}"),

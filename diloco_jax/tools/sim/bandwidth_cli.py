@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 
-
 from diloco_jax import cli
 from diloco_jax.tools.sim import bandwidth
 from diloco_jax.tools.sim.args import definer, numbers
@@ -106,7 +105,7 @@ def sim_bandwidth(argv) -> int:
       raise cli.UsageError(f"--utilization must be in (0, 1], got {u:g}")
   plot = None
   if fv.plot:
-    from diloco_jax.tools.sim import plots  # matplotlib is slow to import: only when plotting
+    from diloco_jax.tools.sim import plots  # noqa: PLC0415 - matplotlib is slow to import: only when plotting
 
     plot = plots.plot_bandwidth(cfg, os.path.join(fv.out, "bandwidth_vs_utilization.png"))
   if fv.json:

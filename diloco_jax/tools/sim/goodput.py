@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from diloco_jax.tools.sim import failures
-from diloco_jax.tools.sim import rounds
 from diloco_jax.syncer.rules import quorum as syncer_policy
+from diloco_jax.tools.sim import failures, rounds
 
 YEAR_S = 365.25 * 24 * 3600.0
 STRATEGIES = ("dp", "elastic", "diloco")
 
-# The published grid (Decoupled DiLoCo, goodput % by chips). Reference values, compared against, never used in the model.
+# The published grid (Decoupled DiLoCo, goodput % by chips). Reference values, compared against, never used in
+# the model.
 TABLE_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 TABLE_ROWS = (("dp", 1), ("elastic", 1), ("diloco", 2), ("diloco", 4), ("diloco", 8), ("diloco", 16))
 PUBLISHED = {
@@ -97,7 +97,7 @@ class SimConfig:
   # the horizon holding at most this many pushes; the failure model always runs the whole horizon.
   max_pushes: int = 10_000
 
-  def validate(self) -> "SimConfig":
+  def validate(self) -> SimConfig:
     """Raise ValueError naming the offending flag."""
     checks = [
         (self.chips >= 1, f"--chips must be >= 1, got {self.chips}"),

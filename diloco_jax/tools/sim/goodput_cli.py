@@ -110,7 +110,8 @@ def assumptions_text(cfg: goodput.SimConfig, quorum_settings: bool = False) -> s
   return (
       f"Assumptions: per-chip MTBI {cfg.mtbi_chip_s / goodput.YEAR_S:g} y (Poisson); a failure takes out "
       f"its {cfg.slice_chips}-chip slice. DP: warm restart {cfg.restart_s:g} s (hot spare, in-memory state), "
-      f"checkpoint every {cfg.ckpt_every_steps} step(s) costing {cfg.ckpt_cost_s:g} s; work since the last one is lost. "
+      f"checkpoint every {cfg.ckpt_every_steps} step(s) costing {cfg.ckpt_cost_s:g} s; "
+      "work since the last one is lost. "
       f"Elastic DP: reshape {cfg.reshape_s:g} s pauses the whole job, the in-flight step is lost, the slice "
       f"is out {cfg.repair_s:g} s and rejoins at the next failure's reshape within {cfg.rejoin_wait_s:g} s, "
       f"else with its own reshape. Decoupled DiLoCo: each of M learners is an elastic DP job of N/M chips "
@@ -269,7 +270,7 @@ def sim_goodput(argv) -> int:
   published = [r for r in rows if r.get("published") is not None]
   plot = None
   if fv.plot and len({r["chips"] for r in rows}) > 1:
-    from diloco_jax.tools.sim import plots  # matplotlib is slow to import: only when plotting
+    from diloco_jax.tools.sim import plots  # noqa: PLC0415 - matplotlib is slow to import: only when plotting
 
     plot = plots.plot_goodput(rows, os.path.join(fv.out, "goodput_vs_chips.png"),
                               mtbi_years=base.mtbi_chip_s / goodput.YEAR_S)

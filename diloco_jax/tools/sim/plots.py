@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import matplotlib
 
@@ -65,7 +65,7 @@ def plot_bandwidth(cfg: bandwidth.BandwidthConfig, path: str, points: int = 60) 
     ax.plot([100 * u for u in us], [bandwidth.required_gbps(cfg, method, u) for u in us],
             label=bandwidth.LABELS[method])
   ylabel, title, markers = bandwidth_labels(cfg)
-  for (method, u), gbps in markers.items():
+  for (_, u), gbps in markers.items():
     ax.plot([100 * u], [gbps], marker="x", color="k", ls="none")
   ax.set_yscale("log")
   ax.set_xlabel("compute utilization (%)")

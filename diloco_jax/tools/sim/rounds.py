@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

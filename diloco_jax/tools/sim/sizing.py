@@ -19,14 +19,15 @@ import json
 from absl import flags
 
 from diloco_jax import cli
-from diloco_jax.outer import codec as codec_lib
-from diloco_jax.outer import fragments
 from diloco_jax import config as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model
+from diloco_jax.outer import codec as codec_lib
+from diloco_jax.outer import fragments
 
 PROCESS_BYTES = 600 * 2**20  # a syncer process with nothing loaded (measured ~520 MiB, rounded up)
-CHECKPOINT_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is written (3 measured, one removed since)
+# Extra copies of the checkpointed vectors while a checkpoint is written (3 measured, one removed since).
+CHECKPOINT_COPIES = 2
 RESUME_COPIES = 2  # extra copies of the checkpointed vectors while a checkpoint is restored (measured)
 START_COPIES = 2  # extra model-sized vectors while the initial parameters are built (measured)
 MERGE_TEMPORARIES = 0  # fragment-sized float32 temporaries of one merge + outer step (chunked, in place)
@@ -209,7 +210,8 @@ def format_sizing(s: dict, config) -> str:
                  f"{t['syncer_gbps']['out']:.2f} Gbit/s (averages over an outer period)")
   ln = s["learner"]
   lines.append(f"learner state per chip ({ln['parameter_shards']}-way parameter sharding, activations not "
-               f"included): {_gb(ln['state_bytes_per_chip'])}; host buffers of the outer loop <= {_gb(ln['host_bytes'])}")
+               f"included): {_gb(ln['state_bytes_per_chip'])}; host buffers of the outer loop <= "
+               f"{_gb(ln['host_bytes'])}")
   return "\n".join(lines)
 
 

@@ -20,10 +20,9 @@ import json
 import math
 import pathlib
 
-from diloco_jax.outer import chunked
 from diloco_jax import cli
-from diloco_jax.tools.sim import sizing
-from diloco_jax.tools.sim import syncer
+from diloco_jax.outer import chunked
+from diloco_jax.tools.sim import sizing, syncer
 from diloco_jax.tools.sim.args import definer, numbers
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs"
