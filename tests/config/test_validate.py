@@ -230,3 +230,32 @@ def test_validate_rejects_unknown_sync_schedule_and_bad_power(tiny_config):
   front = config_lib.fingerprint(tiny_config)
   tiny_config.outer.sync_schedule = "periodic"
   assert config_lib.fingerprint(tiny_config) != front
+
+
+def test_config_validates_speeds_and_device_counts(tiny_config):
+  c = tiny_config
+  c.emulation.speeds = (1.0, 1.0, 0.847, 0.847)
+  c.emulation.step_cv = 0.1
+  config_lib.validate(c, 8, learners=True)
+  assert list(config_lib.resolve(c).emulation.speeds) == [1.0, 1.0, 0.847, 0.847]
+  for field, value, match in (("emulation.speeds", (1.0, 0.5), "emulation.speeds"),
+                              ("emulation.speeds", (1.0, 1.0, 1.0, -1.0), "emulation.speeds"),
+                              ("emulation.step_cv", 1.5, "emulation.step_cv"),
+                              ("emulation.step_s", -0.1, "emulation.step_s"),
+                              ("learners.device_counts", (1, 2), "learners.device_counts")):
+    bad = config_lib.base_config()
+    section, name = field.split(".")
+    bad[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=match):
+      config_lib.validate(bad, 8, learners=True)
+  # Learners of different sizes: the global batch is split in proportion to their devices.
+  d = config_lib.base_config()
+  d.learners.num, d.learners.device_counts, d.data.global_batch = 2, (1, 3), 24
+  config_lib.validate(d, 4, learners=True)
+  assert list(config_lib.resolve(d).learners.batches) == [6, 18]
+  assert list(config_lib.resolve(d).learners.device_counts) == [1, 3]
+  with pytest.raises(config_lib.ConfigError, match="learners.device_counts"):
+    config_lib.validate(d, 3, learners=True)  # 4 devices asked for
+  d.data.global_batch = 16
+  with pytest.raises(config_lib.ConfigError, match="eval batch 16"):
+    config_lib.validate(d, 4, learners=True)  # 12 sequences split over 3 devices, the eval batch not

@@ -1,4 +1,4 @@
-"""Tokenized data: the SentencePiece tokenizer, ArrayRecord token shards, and the grain pipeline over them
+"""Tokenized data: the SentencePiece tokenizer and its commands, and the grain pipeline over token shards
 (`data.format = "array_record"`), on a few hundred KB of stdlib sources (the `token_data` fixture)."""
 
 import collections
@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import grain
 import numpy as np
 import pytest
 
@@ -20,29 +19,8 @@ from diloco_jax.data import token_windows
 from diloco_jax.data import shards
 from diloco_jax.data import tokenizer
 
+data_cfg, corpus_texts, file_streams = helpers.data_cfg, helpers.corpus_texts, helpers.file_streams
 TRICKY = "def f(x):\n\tif x:\r\n        return 'é漢字🙂'   # trailing  \n\n\n  \x00\x7f\u2028end"
-
-
-def data_cfg(token_data, seq_len=64):
-  c = token_data.apply(config_lib.base_config())
-  c.data.seq_len = seq_len
-  return c.data
-
-
-def corpus_texts(token_data):
-  return {p.name: p.read_text() for p in sorted(token_data.corpus.iterdir())}
-
-
-def file_streams(paths, dtype=np.uint16):
-  """Each shard file's whole token stream, read record by record."""
-  return [np.concatenate([np.frombuffer(r, dtype) for r in grain.sources.ArrayRecordDataSource(p)])
-          for p in paths]
-
-
-def split_documents(stream, eos):
-  ends = np.flatnonzero(stream == eos)
-  assert ends.size and ends[-1] == stream.size - 1  # every document ends with eos
-  return np.split(stream[:-1], ends[:-1] + 1) if ends.size > 1 else [stream[:-1]]
 
 
 def test_tokenizer_round_trips_text_and_counts_its_bytes(token_data):
@@ -76,56 +54,6 @@ def test_byte_tokenizer_is_the_byte_corpus():
   np.testing.assert_array_equal(ids, np.frombuffer(TRICKY.encode(), np.uint8))
   assert tok.decode(ids) == TRICKY and tok.eos_id == corpus_lib.SEPARATOR
   assert int(tok.token_bytes[ids].sum()) == len(TRICKY.encode()) - TRICKY.encode().count(0)
-
-
-def test_shards_hold_every_document_once_with_exact_token_counts(token_data):
-  tok = tokenizer.load(str(token_data.tokenizer))
-  texts = corpus_texts(token_data)
-  meta = token_data.meta
-  assert meta["tokenizer"]["sha256"] == tok.sha256 and meta["dtype"] == "<u2"
-  names = sorted(meta["files"])
-  assert names == ["eval-00000-of-00001.array_record"] + [f"train-0000{i}-of-00004.array_record" for i in range(4)]
-  streams = dict(zip(names, file_streams([str(token_data.shards / n) for n in names])))
-  decoded = {n: [tok.decode(d) for d in split_documents(s, tok.eos_id)] for n, s in streams.items()}
-  for name, stream in streams.items():
-    assert stream.size == meta["files"][name]["tokens"]
-    assert len(decoded[name]) == meta["files"][name]["documents"]
-    assert sum(len(t.encode()) for t in decoded[name]) == meta["files"][name]["text_bytes"]
-    # Records are chunks of 100 tokens, the last one shorter.
-    sizes = [len(r) // 2 for r in grain.sources.ArrayRecordDataSource(str(token_data.shards / name))]
-    assert set(sizes[:-1]) <= {100} and 0 < sizes[-1] <= 100
-  # Every file of the corpus is exactly one document of exactly one shard, train and eval disjoint.
-  eval_docs, train_docs = decoded[names[0]], [t for n in names[1:] for t in decoded[n]]
-  assert collections.Counter(eval_docs + train_docs) == collections.Counter(texts.values())
-  held_out = {n for n in texts if corpus_lib.is_eval_file(n, 0.05)}
-  if not held_out or len(held_out) == len(texts):
-    held_out = {sorted(texts)[-1]}  # the fallback when the hash rule leaves a split empty
-  assert sorted(eval_docs) == sorted(texts[n] for n in held_out)
-  # Token counts: each document's encoding plus its eos.
-  want = {"train": sum(tok.encode(t).size + 1 for t in train_docs),
-          "eval": sum(tok.encode(t).size + 1 for t in eval_docs)}
-  assert meta["tokens"] == want
-  # Greedy placement keeps the train files within one document of each other.
-  sizes = [meta["files"][n]["tokens"] for n in names[1:]]
-  assert max(sizes) - min(sizes) <= max(tok.encode(t).size + 1 for t in train_docs)
-
-
-def test_token_windows_read_each_file_stream_in_order(token_data):
-  cfg = data_cfg(token_data, seq_len=64)
-  paths = token_windows.resolve_files(cfg.train_files, "data.train_files")
-  source = token_windows.TokenWindows(paths, 64, helpers.TOKEN_VOCAB)
-  streams = file_streams(paths)
-  assert source.file_tokens == tuple(s.size for s in streams)
-  assert len(source) == sum((s.size - 1) // 64 for s in streams)
-  i = 0
-  for stream in streams:
-    for j in range((stream.size - 1) // 64):
-      w = source[i]["tokens"]
-      assert w.dtype == np.int32 and w.shape == (65,)
-      np.testing.assert_array_equal(w, stream[j * 64:j * 64 + 65])
-      i += 1
-  with pytest.raises(IndexError):
-    source[len(source)]
 
 
 def test_learner_shards_are_disjoint_and_cover_every_window(token_data):

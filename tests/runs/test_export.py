@@ -19,6 +19,8 @@ from diloco_jax import config as config_lib
 from diloco_jax.runs import baseline
 from diloco_jax.tools import evaluate
 from diloco_jax.runs import export
+from diloco_jax.syncer import build
+from diloco_jax.syncer import checkpoint
 from diloco_jax.compute import inner
 from diloco_jax.runs import inprocess
 from diloco_jax.runs import local as launch_local
@@ -231,3 +233,24 @@ def test_local_exports_the_syncer_final_checkpoint_on_tokenized_data(token_data,
   assert model.tokenizer.sha256 == token_data.meta["tokenizer"]["sha256"]
   result = evaluate.evaluate(model, evaluate.config_windows(model.config))
   assert result.nats_per_token == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+
+
+def test_export_assembles_the_model_from_every_shards_checkpoint(tmp_path):
+  config = tiny_cpu.get_config()
+  config.learners.num = 2
+  unsharded, _ = build.build_core(config, "r")
+  shards = [build.build_core(config, "r", shard=i, shards=2)[0] for i in (0, 1)]
+  assert [c.status()["owned"] for c in shards] == [[0], [1]]
+  dirs = []
+  for i, core in enumerate(shards):
+    ckpt = checkpoint.SyncerCheckpointer(tmp_path / f"shard_{i}" / "syncer_checkpoints", async_save=False)
+    checkpoint.save_core(ckpt, core)
+    ckpt.close()
+    dirs.append(tmp_path / f"shard_{i}")
+  params, info = export.syncer_params(config, list(reversed(dirs)), "r")  # any order
+  assert info["versions"] == [0, 0] and len(info["step"]) == 2
+  template = jax.tree.map(np.asarray, params)
+  expected = build.global_params(unsharded, build.fragment_plan(config, template), template)
+  jax.tree.map(np.testing.assert_array_equal, params, expected)
+  with pytest.raises(ValueError, match=r"holds fragments \[1\]"):
+    export.syncer_params(config, dirs[:1], "r")

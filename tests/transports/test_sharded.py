@@ -1,38 +1,20 @@
-"""The sharded syncer: fragment placement, shard cores, the sharded transport (in process and over gRPC)."""
+"""The sharded syncer: shard cores, the sharded transport (in process), targets and combined status."""
 
 import math
-import re
-import signal
-import subprocess
-import sys
 import threading
 
-import jax
 import numpy as np
 import pytest
 
 import helpers
-from configs import tiny_cpu
-from diloco_jax.runs import export
-from diloco_jax.runs import local as launch_local
 from diloco_jax.outer import placement
 from diloco_jax.protocol import messages as protocol
 from diloco_jax.protocol.reasons import Rejected
-from diloco_jax.syncer import build
 from diloco_jax.syncer import checkpoint
 from diloco_jax.transports.inprocess import InProcessTransport
 from diloco_jax.transports.sharded import ShardedTransport, combine_status, parse_targets
 
-SIZES = (40, 24, 56, 16)
-
-
-def test_placement_is_balanced_deterministic_and_total():
-  assert placement.assign_shards(SIZES, 2) == [[2, 3], [0, 1]]  # 56 | 40, 24 | then 16 to the lighter
-  assert placement.shard_of(SIZES, 2) == [1, 1, 0, 0]
-  assert placement.shard_of(SIZES, 1) == [0, 0, 0, 0]
-  assert sorted(p for s in placement.assign_shards(SIZES, 3) for p in s) == [0, 1, 2, 3]
-  with pytest.raises(ValueError, match="shards must be in"):
-    placement.assign_shards(SIZES, 5)
+SIZES = helpers.SHARDED_SIZES
 
 
 def _cores(shards: int, **kw):
@@ -224,77 +206,3 @@ def test_parse_targets_and_combine_status():
   combined = combine_status([a, b])
   assert combined["versions"] == [3, 5, 4] and combined["live"] == [1]
   assert combined["counters"] == {"rounds": 12, "rejected": {"x": 3}} and combined["open_rounds"] == {"1": {}}
-
-
-def _versions(run, shard: int) -> int:
-  """The versions of the fragments shard `shard` owns, summed."""
-  status = run.status(shard)
-  return sum(status["versions"][p] for p in status["owned"])
-
-
-def test_kill_9_of_one_shard_leaves_the_other_merging_and_it_recovers(tmp_path):
-  run = helpers.ProcessRun(tmp_path, helpers.tiny_overrides(steps=60))
-  base = launch_local.free_ports(2)
-  try:
-    shard0 = run.syncer(f"127.0.0.1:{base}", shard=0, shards=2)
-    run.syncer(f"127.0.0.1:{base + 1}", shard=1, shards=2)
-    assert [run.status(s)["owned"] for s in (0, 1)] == [[0], [1]]
-    run.learner(0)
-    run.learner(1)
-    ckpt_dir = tmp_path / "syncer" / "shard_0" / "syncer_checkpoints"
-    helpers.wait_for(lambda: _versions(run, 0) >= 3 and any(p.name.isdigit() for p in ckpt_dir.iterdir()),
-                     "a few rounds and a checkpoint on shard 0")
-    shard0.send_signal(signal.SIGKILL)
-    shard0.wait()
-    # Shard 1's fragment goes on merging while shard 0 is dead.
-    at_kill = _versions(run, 1)
-    helpers.wait_for(lambda: _versions(run, 1) > at_kill, "shard 1 to merge while shard 0 is dead")
-    run.syncer(f"127.0.0.1:{base}", shard=0, shards=2)  # same workdir, same port
-    match = re.search(r"resumed from checkpoint step \d+ \((\d+) rounds\)", run.log("syncer_0"))
-    assert match, run.log("syncer_0")
-    resumed = int(match.group(1))
-    run.wait_ok("learner_0")
-    run.wait_ok("learner_1")
-    status = [run.status(s) for s in (0, 1)]
-    status_command = subprocess.run(
-        [sys.executable, "-m", "diloco_jax", "status", "--syncer", run.target, "--token-file", str(run.token_file)],
-        cwd=helpers.REPO, capture_output=True, text=True, timeout=helpers.PROCESS_TIMEOUT_S)
-  finally:
-    run.kill_all()
-  # The restarted shard merged again after its restore; the learners never restarted and finished.
-  assert status[0]["versions"][0] > resumed >= 1
-  for i in (0, 1):
-    s = run.summary(i)
-    assert s["steps"] == 60 and s["completed"] and not s["restored"]
-  assert all(s["counters"]["joins"] >= 2 for s in status)
-  # `status` shows every shard: each with its own fragment.
-  assert status_command.returncode == 0, status_command.stderr
-  out = status_command.stdout
-  blocks = out.split("syncer shard ")[1:]
-  assert [b.split()[0] for b in blocks] == ["0/2", "1/2"], out
-  for shard, block in enumerate(blocks):
-    lines = block.splitlines()
-    table = lines[[i for i, line in enumerate(lines) if line.startswith("fragment")][0] + 1:]
-    rows = [line.split() for line in table[:table.index("")]]
-    assert [(int(r[0]), int(r[1])) for r in rows] == [(shard, status[shard]["versions"][shard])], out
-
-
-def test_export_assembles_the_model_from_every_shards_checkpoint(tmp_path):
-  config = tiny_cpu.get_config()
-  config.learners.num = 2
-  unsharded, _ = build.build_core(config, "r")
-  shards = [build.build_core(config, "r", shard=i, shards=2)[0] for i in (0, 1)]
-  assert [c.status()["owned"] for c in shards] == [[0], [1]]
-  dirs = []
-  for i, core in enumerate(shards):
-    ckpt = checkpoint.SyncerCheckpointer(tmp_path / f"shard_{i}" / "syncer_checkpoints", async_save=False)
-    checkpoint.save_core(ckpt, core)
-    ckpt.close()
-    dirs.append(tmp_path / f"shard_{i}")
-  params, info = export.syncer_params(config, list(reversed(dirs)), "r")  # any order
-  assert info["versions"] == [0, 0] and len(info["step"]) == 2
-  template = jax.tree.map(np.asarray, params)
-  expected = build.global_params(unsharded, build.fragment_plan(config, template), template)
-  jax.tree.map(np.testing.assert_array_equal, params, expected)
-  with pytest.raises(ValueError, match=r"holds fragments \[1\]"):
-    export.syncer_params(config, dirs[:1], "r")
