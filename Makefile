@@ -5,7 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+# The two tiers of tests/ (tests/README.md): the fast tier (units and in-process runs, two pytest workers)
+# and the process tier (tests/process/: real syncer, learner and launcher processes, kills and restarts,
+# run one test at a time: each starts processes that want both cores).
+FAST := $(PY) -m pytest -q -n 2 --ignore=tests/process tests
+PROCESS := $(PY) -m pytest -q tests/process
+
+.PHONY: run test test-fast test-process test-slow bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +23,24 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m diloco_jax local --config configs/small_cpu.py --learners 4 --workdir runs/default
 
+# Both tiers, one after the other (the process tier runs even when the fast one failed), each timed.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	@fast=0; process=0; \
+	start=$$(date +%s); $(FAST) || fast=$$?; fast_s=$$(( $$(date +%s) - start )); \
+	start=$$(date +%s); $(PROCESS) || process=$$?; process_s=$$(( $$(date +%s) - start )); \
+	printf 'fast tier: %dm%02ds (exit %d)\nprocess tier: %dm%02ds (exit %d)\n' \
+	  $$((fast_s / 60)) $$((fast_s % 60)) $$fast $$((process_s / 60)) $$((process_s % 60)) $$process; \
+	test $$fast -eq 0 && test $$process -eq 0
 
+test-fast: $(STAMP)
+	@start=$$(date +%s); rc=0; $(FAST) || rc=$$?; s=$$(( $$(date +%s) - start )); \
+	printf 'fast tier: %dm%02ds\n' $$((s / 60)) $$((s % 60)); exit $$rc
+
+test-process: $(STAMP)
+	@start=$$(date +%s); rc=0; $(PROCESS) || rc=$$?; s=$$(( $$(date +%s) - start )); \
+	printf 'process tier: %dm%02ds\n' $$((s / 60)) $$((s % 60)); exit $$rc
+
+# The `slow` tests of both tiers (deselected by the others).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
