@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from typing import Sequence
 
@@ -220,6 +221,32 @@ def sizing_config(**model_fields):
   for k, v in model_fields.items():
     c.model[k] = v
   return c
+
+
+class StepLog:
+  """A tape for `SyncerCore(tape=...)` that keeps only each step's kind, in order: a test waits on it for a
+  step to have happened (e.g. a pull's first look of the core, "poll")."""
+
+  def __init__(self):
+    self._kinds: list[str] = []
+    self._lock = threading.Lock()
+
+  def begin(self, settings, fragments, epoch, started) -> None:
+    pass
+
+  def event(self, kind: str, args, reads, outcome) -> None:
+    with self._lock:
+      self._kinds.append(kind)
+
+  def end(self, state) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+  def kinds(self) -> list[str]:
+    with self._lock:
+      return list(self._kinds)
 
 
 def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):

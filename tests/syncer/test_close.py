@@ -66,8 +66,9 @@ def test_a_round_that_would_publish_nonfinite_values_is_refused_whole(caplog):
   # the Nesterov step would overflow to inf (and NaN next). The round is refused: nothing is published.
   # (Rounds unscaled: scaled to one learner's share of four, this step would stay finite.)
   clock = helpers.FakeClock()
+  steps = helpers.StepLog()
   c = helpers.make_core((64,), k=1, lr=0.7, momentum=0.9, clock=clock, num_learners=4, lease_s=100.0,
-                        max_grace_s=0.0, max_norm_ratio=0.0, scale_partial_rounds=False)
+                        max_grace_s=0.0, max_norm_ratio=0.0, scale_partial_rounds=False, tape=steps)
   for i in range(4):
     c.join(i, FP)
   c.push(helpers.make_push(0, small(), core=c))  # round 0 merges normally
@@ -75,7 +76,8 @@ def test_a_round_that_would_publish_nonfinite_values_is_refused_whole(caplog):
   waiting = []
   waiter = threading.Thread(target=lambda: waiting.append(c.pull(0, 2, timeout_s=30.0)))
   waiter.start()
-  time.sleep(0.2)  # another learner's pull is waiting for version 2
+  # Another learner's pull is waiting for version 2: it looked once and found version 1.
+  helpers.wait_for(lambda: "poll" in steps.kinds(), "the pull to wait", timeout=10, poll=0.01)
   started = time.monotonic()
   with caplog.at_level(logging.ERROR, logger="diloco_jax.syncer.core"):
     receipt = c.push(helpers.make_push(2, np.full(64, 3e38, np.float32), core=c, base_version=1))

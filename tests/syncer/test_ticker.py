@@ -1,6 +1,5 @@
 """The ticker thread: rounds close on time with no other call, and a failing tick is counted, logged and survived."""
 
-import time
 
 import numpy as np
 
@@ -23,9 +22,8 @@ def test_ticker_closes_rounds_without_other_calls():
     payload = codec.encode(np.ones(4, np.float32), "fp32")
     core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
     assert core.status()["versions"] == [0]  # learner 1 may still come, inside the 50 ms grace
-    give_up = time.monotonic() + 5.0
-    while core.status()["versions"] == [0] and time.monotonic() < give_up:
-      time.sleep(0.01)
+    helpers.wait_for(lambda: core.status()["versions"] != [0], "the ticker to close the round", timeout=5.0,
+                     poll=0.01)
   assert core.status()["versions"] == [1]
 
 
@@ -48,9 +46,8 @@ def test_ticker_survives_exceptions_counts_and_logs_them(caplog):
     with Ticker(core, period_s=0.01) as ticker:
       payload = codec.encode(np.ones(4, np.float32), "fp32")
       core.push(Push(0, FP, 0, 0, 1, 1, "fp32", payload, codec.checksum(payload)))
-      give_up = time.monotonic() + 10.0
-      while core.status()["versions"] == [0] and time.monotonic() < give_up:
-        time.sleep(0.01)
+      helpers.wait_for(lambda: core.status()["versions"] != [0], "the ticker to close the round", timeout=10.0,
+                       poll=0.01)
       assert ticker.alive
   # The deadline-driven close still happened (nothing else ticks here), after five failed ticks.
   assert core.status()["versions"] == [1]

@@ -2,7 +2,6 @@
 contributions, merge weights and the staleness discount, partial rounds, deadlocks, the decision record."""
 
 import functools
-import time
 
 import numpy as np
 import pytest
@@ -207,7 +206,7 @@ def test_decision_record_says_who_was_merged_waited_for_how_long_and_with_which_
   for i in range(3):
     c.push(helpers.make_push(i, np.ones(8), tokens=100, base_version=1))
   assert c.status()["versions"] == [2]
-  time.sleep(0.05)
+  helpers.wait_for(lambda: log.written == 2, "the drain thread to write both records", timeout=10, poll=0.01)
   log.close()
   first, second = metrics_lib.read_jsonl(tmp_path / "rounds.jsonl")
   assert (first["fragment"], first["version"], first["close"]) == (0, 1, "deadline")

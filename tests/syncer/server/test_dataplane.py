@@ -128,7 +128,10 @@ def test_hostile_streams_are_refused_and_change_nothing(syncer):
   with sock:
     sock.sendall(wire.request(TOKEN, nonce, wire.OP_PULL, b"\xff" * 40))
     assert _refused(sock)[0] == "protocol"
-  time.sleep(0.3)
+  # The server is done with every connection once it dropped the two that ended without a request: the
+  # one whose nonce was replayed, and the push cut short.
+  helpers.wait_for(lambda: handle.gate.counters().get("data_dropped", 0) >= 2, "both dropped connections", timeout=10,
+                   poll=0.01)
   assert core.status()["versions"] == [0, 0] and core.counters["contributions_rejected"] == 0
   counters = handle.gate.counters()
   assert counters["refused_unauthenticated"] == 2 and counters.get("pushes", 0) == 0
@@ -150,14 +153,13 @@ def test_slow_senders_time_out_and_connections_are_bounded():
     header = pb.PushHeader(learner_id=0, fingerprint=FP, fragment=0, base_version=0, steps=1, tokens=1,
                            codec="int4", checksum=push.checksum, total_size=len(push.payload))
     held = []
-    for _ in range(2):  # two connections that say nothing hold both slots...
+    for _ in range(2):  # two connections that say nothing hold both slots (each was served its hello)...
       held.append(socket.create_connection(("127.0.0.1", plane.port), timeout=5))
-    time.sleep(0.1)
+      wire.recv_exact(held[-1], wire.HELLO_BYTES, "hello")
     extra = socket.create_connection(("127.0.0.1", plane.port), timeout=5)  # ...a third is closed at once
     assert extra.recv(64) == b""
     t0 = time.monotonic()
     for sock in held:  # and each silent one is dropped after its read timeout
-      sock.recv(wire.HELLO_BYTES)
       assert sock.recv(64) == b""
     assert time.monotonic() - t0 < 5.0
     # A sender that trickles its payload byte by byte hits the transfer deadline.
@@ -168,7 +170,7 @@ def test_slow_senders_time_out_and_connections_are_bounded():
     with pytest.raises((ConnectionError, BrokenPipeError, OSError)):
       for i in range(len(push.payload)):
         sock.sendall(push.payload[i:i + 1])
-        time.sleep(0.2)
+        time.sleep(0.2)  # the slow sender itself: a byte every 0.2 s (not a wait for the server)
     assert time.monotonic() - t0 < 5.0
     sock.close()
     assert core.status()["versions"] == [0]
@@ -307,7 +309,7 @@ def test_the_client_retries_a_busy_data_plane_and_close_ends_its_transfers():
       except errors.SyncerUnreachable as e:
         failed.append(e)
 
-    time.sleep(0.3)  # the bucket refills
+    time.sleep(0.3)  # real time for the rate limiter's bucket to refill (4 calls/s: a call in 0.25 s)
     waiter = threading.Thread(target=long_poll)
     waiter.start()
     helpers.wait_for(lambda: handle.data_plane.pull_slots.in_use == 1, "the long-poll", timeout=10)

@@ -59,7 +59,7 @@ def control_calls_stay_served(handle, seconds=2.0):
         start = time.monotonic()
         call()
         worst = max(worst, time.monotonic() - start)
-      time.sleep(0.1)
+      time.sleep(0.1)  # the learner's pace: a few calls a second (not a wait for the server)
     assert t.retries == 0
   return worst
 
@@ -75,9 +75,9 @@ def test_500_long_poll_pulls_leave_heartbeat_join_and_status_served(syncer):
       calls.append(stub.Pull(pb.PullRequest(learner_id=i % 4, fingerprint=FP, fragment=0, min_version=99,
                                             timeout_s=60.0), metadata=METADATA, timeout=120))
   try:
-    settle = time.monotonic() + 10  # the pulls over the caps are refused at once; the rest wait
-    while sum(call.done() for call in calls) < 400 and time.monotonic() < settle:
-      time.sleep(0.1)
+    # The pulls over the caps are refused at once; the rest wait.
+    helpers.wait_for(lambda: sum(call.done() for call in calls) >= 400, "the pulls over the caps to be refused",
+                     timeout=30, poll=0.1)
     worst = control_calls_stay_served(handle)
     assert worst < CONTROL_CALL_S
     with client(handle, learner_id=3) as t:
@@ -173,19 +173,21 @@ def test_cancelled_streams_end_quietly(caplog):
     good = helpers.make_push(0, np.full(200_000, 1e-3, np.float32), core=core)
     channel, stub = connection(handle)
     # A Push cancelled mid-stream.
-    sent = threading.Event()
+    sent, done = threading.Event(), threading.Event()
 
     def half():
       yield pb.PushChunk(header=pb.PushHeader(learner_id=0, fingerprint=FP, fragment=0, codec="fp32",
                                               checksum=good.checksum, total_size=len(good.payload)))
       yield pb.PushChunk(data=good.payload[:4096], offset=0)
       sent.set()
-      time.sleep(30)
+      done.wait(30)  # the rest never comes
 
     future = stub.Push.future(half(), metadata=METADATA, timeout=60)
-    sent.wait(10)
-    time.sleep(0.3)
+    assert sent.wait(10)
+    # Cancelled while the server reads it: its handler holds a push slot.
+    helpers.wait_for(lambda: handle.gate.push_slots.in_use == 1, "the push on the server", timeout=10, poll=0.01)
     future.cancel()
+    done.set()
     # A Pull cancelled after its first chunks (the fragment is 200 chunks long).
     stream = stub.Pull(pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=0),
                        metadata=METADATA, timeout=60)
@@ -262,14 +264,23 @@ def test_ids_outside_the_run_are_refused_over_the_wire(syncer):
   assert core.status()["member_count"]["total"] == 0
 
 
-def test_the_client_retries_a_busy_or_slow_syncer_and_pushes_once(syncer):
+def test_the_client_retries_a_busy_or_slow_syncer_and_pushes_once(syncer, monkeypatch):
   core, handle = syncer
   with client(handle, learner_id=0, call_timeout_s=0.3, backoff_s=0.05) as t:
     t.join(0, FP)
-    # The syncer answers nothing for a second: the attempts' deadlines pass, and the call is retried.
-    threading.Thread(target=lambda: (core._lock.acquire(), time.sleep(1.0), core._lock.release())).start()
-    time.sleep(0.05)
+    # The syncer answers the first heartbeat after a second: the attempt's deadline passes, and the call is
+    # retried.
+    heartbeat, answered = core.heartbeat, threading.Event()
+
+    def slow_heartbeat(*args, **kwargs):
+      if not answered.is_set():
+        answered.set()
+        time.sleep(1.0)  # the slow syncer itself (not a wait for the test)
+      return heartbeat(*args, **kwargs)
+
+    monkeypatch.setattr(core, "heartbeat", slow_heartbeat)
     t.heartbeat(0, 0.3)
+    assert answered.is_set()
     assert t.retries >= 1
     # A push whose reply is lost is retried with the same key: one contribution, the original receipt.
     push = helpers.make_push(0, np.full(4096, 1e-3, np.float32), core=core, incarnation=123, sequence=1)
@@ -293,7 +304,7 @@ def test_close_ends_a_retrying_call_at_once():
 
   worker = threading.Thread(target=call)
   worker.start()
-  time.sleep(0.5)
+  helpers.wait_for(lambda: t.retries >= 1, "the call to be retrying", timeout=10, poll=0.01)
   start = time.monotonic()
   t.close()
   worker.join(10)
