@@ -1,6 +1,7 @@
 """Decoupled DiLoCo end to end, in one process: learners on device slices with the syncer core."""
 
 import json
+import threading
 
 import jax
 import numpy as np
@@ -70,8 +71,11 @@ def test_a_learner_that_crashes_leaves_and_the_others_finish(tiny_config, tmp_pa
   c.train.steps, c.train.eval_every, c.outer.sync_every = 12, 1000, 4
   c.outer.min_quorum = 0
   real_step = loop_lib.Learner.train_step
+  both_joined = threading.Barrier(2, timeout=120)  # each learner joins before its first step
 
   def failing(self):
+    if self.trainer.step == 0:  # neither trains before both joined: learner 0 has learner 1 to wait for
+      both_joined.wait()
     if self.learner_id == 1 and self.trainer.step == 3:
       raise RuntimeError("learner 1 broke")
     real_step(self)
