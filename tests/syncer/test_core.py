@@ -8,6 +8,7 @@ import pytest
 
 import helpers
 from diloco_jax.protocol.reasons import Rejected
+from diloco_jax.syncer import state as state_lib
 
 FP = helpers.FP
 make_push = functools.partial(helpers.make_push, block=4)
@@ -73,10 +74,10 @@ def test_pull_waits_and_times_out():
     c.pull(3, 0)
 
 
-def test_decision_queue_is_bounded():
+def test_decision_queue_is_bounded(monkeypatch):
+  monkeypatch.setattr(state_lib, "MAX_DECISIONS", 3)  # a small bound, the same code path
   c = helpers.make_core((8,), k=1, clock=helpers.FakeClock())
   c.join(0, FP)
-  c._machine.state.decisions = type(c._machine.state.decisions)(maxlen=3)  # a small bound, the same code path
   for v in range(5):
     c.push(helpers.make_push(0, np.ones(8), base_version=v))
   records = c.drain_decisions()

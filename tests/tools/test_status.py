@@ -57,10 +57,10 @@ def test_the_step_on_the_wire_is_bounded(served):
     t.join(0, FP)
     t.heartbeat(0, 0.1, step=41)
     assert core.status()["members"]["0"]["step"] == 41
-    stub = pb_grpc.SyncerStub(t._channel)
-    with pytest.raises(grpc.RpcError) as e:
-      stub.Heartbeat(pb.HeartbeatRequest(learner_id=0, fingerprint=FP, step_time_s=0.1, step=-5),
-                     metadata=(("authorization", f"Bearer {TOKEN}"),))
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel, pytest.raises(grpc.RpcError) as e:
+      pb_grpc.SyncerStub(channel).Heartbeat(
+          pb.HeartbeatRequest(learner_id=0, fingerprint=FP, step_time_s=0.1, step=-5),
+          metadata=(("authorization", f"Bearer {TOKEN}"),))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "step" in e.value.details()
     assert core.status()["members"]["0"]["step"] == 41  # unchanged
 

@@ -34,8 +34,8 @@ def test_budgets_run_the_pair_at_each_multiple_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("values", [["0"], ["1", "x"], []])
 def test_bad_budgets_are_a_usage_error(values, capsys):
-  with pytest.raises(cli.UsageError):
-    quality._parse_budgets(values)
+  with pytest.raises(cli.UsageError):  # before anything runs
+    quality.bench_quality(["bench quality", "--config", "configs/tiny_cpu.py", f"--budgets={','.join(values)}"])
   assert "error: --budgets:" in capsys.readouterr().err
 
 
