@@ -8,11 +8,16 @@ import pytest
 from diloco_jax import cli
 from diloco_jax.tools.bench import quality
 
+# Two learners of a 32-wide model: what these tests check (the pair per budget, the rungs) needs no more.
+SMALL = ["--config.learners.num=2", "--config.model.d_model=32", "--config.model.mlp_dim=64",
+         "--config.model.head_dim=8"]
+
 
 def test_budgets_run_the_pair_at_each_multiple_and_plot(tmp_path, capsys):
   argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
           "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
+          *SMALL,
           "--budgets=2,1", f"--workdir={tmp_path / 'q'}", "--json"]
   assert quality.bench_quality(argv) == 0
   out = json.loads(capsys.readouterr().out)
@@ -63,6 +68,7 @@ def test_the_ladder_puts_the_parts_back_one_at_a_time(tmp_path, capsys):
   argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
           "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
+          *SMALL,
           f"--workdir={tmp_path / 'q'}", "--ladder", "--json"]
   assert quality.bench_quality(argv) == 0
   out = json.loads(capsys.readouterr().out)
