@@ -1,6 +1,7 @@
 """Test set-up: 8 fake CPU devices, set before jax is imported anywhere."""
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -15,6 +16,15 @@ from configs import tiny_cpu  # noqa: E402
 from diloco_jax import cli  # noqa: E402
 
 cli.enable_compilation_cache()
+
+PROCESS_TIER = pathlib.Path(__file__).resolve().parent / "process"
+
+
+def pytest_collection_modifyitems(config, items):
+  """Every test under tests/process/ is of the process tier (tests/README.md): marked `process`."""
+  for item in items:
+    if PROCESS_TIER in item.path.resolve().parents:
+      item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture

@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import helpers
 from diloco_jax import cli
+
+pytestmark = pytest.mark.process  # each test runs `train` in a child process
 
 SMALL = ["--config", "configs/tiny_cpu.py", "--config.learners.num=2", "--config.learners.devices=1",
          "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.log_every=2",

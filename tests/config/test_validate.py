@@ -124,6 +124,7 @@ def bad_override_runs():
   return results
 
 
+@pytest.mark.process  # a `baseline` process per override
 @pytest.mark.parametrize("override", sorted(BAD_OVERRIDES))
 def test_bad_override_exits_2_naming_the_field(bad_override_runs, override):
   returncode, stdout, stderr = bad_override_runs[override]

@@ -139,6 +139,7 @@ def test_bad_data_config_names_the_field(token_data, tmp_path):
   c = base(); c.data.train_files = f"{other}/train-*.array_record"; _expect(c, "data.train_files")
 
 
+@pytest.mark.process
 def test_bad_data_fails_the_command_before_training(token_data, tmp_path):
   fields = {**token_data.overrides(), "model.vocab_size": 512}
   argv = [sys.executable, "-m", "diloco_jax", "baseline", "--config", "configs/tiny_cpu.py",
@@ -150,6 +151,7 @@ def test_bad_data_fails_the_command_before_training(token_data, tmp_path):
   assert "Traceback" not in proc.stderr and not (tmp_path / "never").exists()
 
 
+@pytest.mark.process
 def test_tokenizer_and_tokenize_commands(token_data, tmp_path):
   """The two commands as a user runs them; their output reads back through the config."""
   run = lambda *args: subprocess.run([sys.executable, "-m", "diloco_jax", *args], cwd=helpers.REPO,

@@ -84,6 +84,7 @@ def test_train_exports_the_global_model_at_its_final_eval_loss(diloco_run):
     export.syncer_params(config, workdir / "syncer", "another-run-id")
 
 
+@pytest.mark.process
 def test_export_command_exports_the_syncer_checkpoint(diloco_run, tmp_path):
   _, workdir, _ = diloco_run
   out = tmp_path / "exported"
@@ -143,6 +144,7 @@ def test_eval_on_a_text_file_is_the_forward_pass_over_every_token(run, request, 
   assert result.nats == pytest.approx(nats, rel=1e-5)
 
 
+@pytest.mark.process
 def test_eval_command_compares_two_models_on_one_text(diloco_run, baseline_run, tmp_path):
   path = _text_file(tmp_path)
   models = [diloco_run[1] / "model", baseline_run[1] / "model"]
@@ -201,6 +203,7 @@ def test_temperature_sampling_draws_by_seed(diloco_run):
   assert all(0 <= t < 256 for t in draw(temperature=2.0, seed=4))
 
 
+@pytest.mark.process
 def test_sample_command_continues_the_prompt(baseline_run):
   argv = [sys.executable, "-m", "diloco_jax", "sample", "--model", str(baseline_run[1] / "model"), "--prompt",
           "def ", "--max-tokens", "20"]
@@ -215,6 +218,7 @@ def test_sample_command_continues_the_prompt(baseline_run):
   assert proc.stdout.startswith("def ")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_local_exports_the_syncer_final_checkpoint_on_tokenized_data(token_data, tmp_path):
   """Learner processes read the shards; the launcher exports the global model from the syncer's final
