@@ -5,10 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# The two tiers of tests/ (tests/README.md): the fast tier (units and in-process runs, on two pytest
-# workers, each test file on one of them) and the process tier (the `process` marker: tests/process/ and the
-# commands run in a child process, one test at a time: each starts processes that want both cores).
-FAST := $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not process"
+# The two tiers of tests/ (tests/README.md): the fast tier (units and in-process runs, on three pytest
+# workers, each test file on one of them: on 2 cores the third fills the time tests spend waiting on real
+# clocks, grace windows and stalled streams) and the process tier (the `process` marker: tests/process/ and
+# the commands run in a child process, one test at a time: each starts processes that want both cores).
+FAST := $(PY) -m pytest -q -n 3 --dist loadfile -m "not slow and not process"
 PROCESS := $(PY) -m pytest -q -m "process and not slow"
 
 .PHONY: run test test-fast test-process test-slow bench clean

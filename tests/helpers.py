@@ -1,6 +1,6 @@
 """Helpers shared by the tests: syncer cores and pushes, a fake clock, waiting, and real child processes.
 
-Test modules `import helpers` (pytest puts tests/ on sys.path); conftest.py has set the fake CPU devices
+Test modules `import helpers` (pyproject.toml puts tests/ on pytest's path); conftest.py has set the fake CPU devices
 before anything here imports jax.
 """
 
