@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 import helpers
 from diloco_jax.protocol.reasons import Rejected
@@ -115,7 +114,6 @@ def test_replay_notices_a_changed_input_and_stops_at_a_cut(tmp_path):
   assert replay.replay(changed)[0].mismatch is not None
 
 
-@pytest.mark.process  # the replay command
 def test_a_threaded_in_process_run_replays_bit_for_bit(tiny_config, tmp_path):
   """Real threads and the real clock: four learners, the ticker, the evaluator and a delta downlink."""
   tiny_config.outer.downlink_codec = "int8"

@@ -98,7 +98,6 @@ def _cli(*args):
                         text=True, timeout=120)
 
 
-@pytest.mark.process
 def test_cli_prints_json_and_text():
   result = _cli("--config", "configs/tiny_cpu.py", "--learners", "3", "--step-s", "0.5", "--json")
   assert result.returncode == 0, result.stderr
@@ -111,7 +110,6 @@ def test_cli_prints_json_and_text():
   assert bad.returncode == 2 and "--learners" in bad.stderr
 
 
-@pytest.mark.process
 def test_cli_sizes_a_config_whose_data_is_not_here():
   """m150 names token shards under data/ that this checkout does not hold: sizing reads no data."""
   assert not (REPO / "data" / "tokenizer.model").exists()
