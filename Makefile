@@ -5,7 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+# The two tiers of tests/ (tests/README.md): the fast tier (units and in-process runs, on three pytest
+# workers, each test file on one of them: on 2 cores the third fills the time tests spend waiting on real
+# clocks, grace windows and stalled streams) and the process tier (the `process` marker: tests/process/ and
+# the commands run in a child process, one test at a time: each starts processes that want both cores).
+FAST := $(PY) -m pytest -q -n 3 --dist loadfile -m "not slow and not process"
+PROCESS := $(PY) -m pytest -q -m "process and not slow"
+
+.PHONY: run test lint test-fast test-process test-slow bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +24,28 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m diloco_jax local --config configs/small_cpu.py --learners 4 --workdir runs/default
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# Lint, then both tiers, one after the other (the process tier runs even when the fast one failed), each timed.
+test: lint
+	@fast=0; process=0; \
+	start=$$(date +%s); $(FAST) || fast=$$?; fast_s=$$(( $$(date +%s) - start )); \
+	start=$$(date +%s); $(PROCESS) || process=$$?; process_s=$$(( $$(date +%s) - start )); \
+	printf 'fast tier: %dm%02ds (exit %d)\nprocess tier: %dm%02ds (exit %d)\n' \
+	  $$((fast_s / 60)) $$((fast_s % 60)) $$fast $$((process_s / 60)) $$((process_s % 60)) $$process; \
+	test $$fast -eq 0 && test $$process -eq 0
 
+# ruff (configured in pyproject.toml): import order, no function-local import without a reason, bugbear...
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test-fast: $(STAMP)
+	@start=$$(date +%s); rc=0; $(FAST) || rc=$$?; s=$$(( $$(date +%s) - start )); \
+	printf 'fast tier: %dm%02ds\n' $$((s / 60)) $$((s % 60)); exit $$rc
+
+test-process: $(STAMP)
+	@start=$$(date +%s); rc=0; $(PROCESS) || rc=$$?; s=$$(( $$(date +%s) - start )); \
+	printf 'process tier: %dm%02ds\n' $$((s / 60)) $$((s % 60)); exit $$rc
+
+# The `slow` tests of both tiers (deselected by the others).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

@@ -1,6 +1,6 @@
 """Helpers shared by the tests: syncer cores and pushes, a fake clock, waiting, and real child processes.
 
-Test modules `import helpers` (pytest puts tests/ on sys.path); conftest.py has set the fake CPU devices
+Test modules `import helpers` (pyproject.toml puts tests/ on pytest's path); conftest.py has set the fake CPU devices
 before anything here imports jax.
 """
 
@@ -12,22 +12,24 @@ import pathlib
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
+import grain
+import jax
 import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax.data import shards, tokenizer
 from diloco_jax.outer import codec as codec_lib
+from diloco_jax.protocol.messages import Push
 from diloco_jax.runs import children as run_children
 from diloco_jax.runs import launcher as run_launcher
-from diloco_jax.data import shards
-from diloco_jax.data import tokenizer
-from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore
-from diloco_jax.syncer.settings import SyncerSettings
 from diloco_jax.syncer.rules.quorum import QuorumPolicy
+from diloco_jax.syncer.settings import SyncerSettings
 from diloco_jax.transports.grpc_client import GrpcTransport
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -114,6 +116,137 @@ def make_push(learner: int, delta, *, core: SyncerCore | None = None, fragment: 
                 checksum=codec_lib.checksum(payload))
   fields.update(overrides)
   return Push(**fields)
+
+
+def joined_core(num_learners=3, sizes=(8,), k=1, lr=1.0, momentum=0.0, lease_s=100.0, step_time=10.0, **kw):
+  """A core (`make_core`) with lr 1 / momentum 0 (the new global is the old one minus the merged delta),
+  fp32 blocks of 4, "arange" initial fragments and QuorumPolicy's own grace bound (`max_grace_s` 30 unless
+  given), every learner joined and reporting `step_time`; returns (core, its fake clock)."""
+  clock = FakeClock()
+  kw.setdefault("max_grace_s", 30.0)  # QuorumPolicy's own default
+  c = make_core(sizes, k=k, lr=lr, momentum=momentum, block=4, initial="arange", clock=clock, lease_s=lease_s, **kw)
+  for i in range(num_learners):
+    c.join(i, FP)
+    c.heartbeat(i, step_time)
+  return c, clock
+
+
+def global_of(core: SyncerCore, p: int = 0) -> np.ndarray:
+  """Fragment `p` of the core's global model, as its checkpoint holds it."""
+  return core.state_dict()["fragments"][p]
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+  """Two `state_dict()`s are the same: arrays bitwise (dtype and bytes), everything else equal."""
+  assert a.keys() == b.keys()
+  for key in a:
+    if key in ("fragments", "opt_states"):
+      la, lb = [[np.asarray(x) for x in jax.tree.leaves(s[key])] for s in (a, b)]
+      assert len(la) == len(lb) > 0
+      for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    else:
+      assert a[key] == b[key], key
+
+
+# A run with tiny_cpu-like bounds, for the merge-safety rules: its period, tokens per learner step, steps.
+PERIOD_STEPS, TOKENS_PER_STEP, TRAIN_STEPS = 10, 256, 60
+
+
+def bounded_core(num_learners=4, sizes=(64,), k=1, max_norm_ratio=10.0, **kw):
+  """A core of a run with tiny_cpu-like bounds (each learner's step: 4 sequences of 64 tokens,
+  TOKENS_PER_STEP; a period of PERIOD_STEPS; TRAIN_STEPS steps), lr 1 / momentum 0 (new global = old global
+  - merged delta), every learner joined; returns (core, its fake clock)."""
+  clock = FakeClock()
+  kw.setdefault("lease_s", 100.0)
+  config = config_lib.base_config()
+  config.data.global_batch, config.data.seq_len = 4 * num_learners, TOKENS_PER_STEP // 4
+  config.outer.sync_every, config.train.steps = PERIOD_STEPS, TRAIN_STEPS
+  c = make_core(sizes, k=k, lr=1.0, momentum=0.0, clock=clock, num_learners=num_learners, config=config,
+                max_norm_ratio=max_norm_ratio, **kw)
+  for i in range(num_learners):
+    c.join(i, FP)
+  return c, clock
+
+
+def push_period(c: SyncerCore, learner: int, delta, **kw):
+  """Pushes `delta` as one period's work (PERIOD_STEPS steps of TOKENS_PER_STEP tokens unless given)."""
+  kw.setdefault("steps", PERIOD_STEPS)
+  kw.setdefault("tokens", kw["steps"] * TOKENS_PER_STEP)
+  return c.push(make_push(learner, np.asarray(delta, np.float32), core=c, **kw))
+
+
+def frozen(c: SyncerCore) -> str:
+  """Everything but the counters: globals, momentum, versions, open rounds, members."""
+  state = c.state_dict()
+  status = c.status()
+  for d in (state, status):
+    d.pop("counters")
+  return repr({k: ([np.asarray(x).tobytes() for x in v] if k == "fragments" else v)
+               for k, v in state.items() if k != "opt_states"}) + json.dumps(status, sort_keys=True)
+
+
+def small_delta(n=64, scale=0.01, seed=0) -> np.ndarray:
+  """A seeded normal vector of `n` float32 values of standard deviation `scale`."""
+  return (scale * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+
+
+# Four fragments of unequal sizes, for a sharded syncer (placement on two shards: [[2, 3], [0, 1]]).
+SHARDED_SIZES = (40, 24, 56, 16)
+
+
+def fake_params(num_layers=6, d=8, vocab=16, lm_head=False):
+  """A seeded numpy parameter tree shaped like the model's (embed, layers, final norm, optional head)."""
+  rng = np.random.default_rng(0)
+  arr = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  params = {
+      "embed": {"embedding": arr(vocab, d)},
+      "layers": {
+          i: {
+              "attn": {"q": {"kernel": arr(d, d)}, "k": {"kernel": arr(d, d)}, "o": {"kernel": arr(d, d)}},
+              "mlp": {"up": {"kernel": arr(d, 2 * d)}, "down": {"kernel": arr(2 * d, d)}},
+              "norm": {"scale": arr(d)},
+          } for i in range(num_layers)
+      },
+      "final_norm": {"scale": arr(d)},
+  }
+  if lm_head:
+    params["lm_head"] = {"kernel": arr(d, vocab)}
+  return params
+
+
+def sizing_config(**model_fields):
+  """`base_config()` with `model_fields` set (the sizing tests' models)."""
+  c = config_lib.base_config()
+  for k, v in model_fields.items():
+    c.model[k] = v
+  return c
+
+
+class StepLog:
+  """A tape for `SyncerCore(tape=...)` that keeps only each step's kind, in order: a test waits on it for a
+  step to have happened (e.g. a pull's first look of the core, "poll")."""
+
+  def __init__(self):
+    self._kinds: list[str] = []
+    self._lock = threading.Lock()
+
+  def begin(self, settings, fragments, epoch, started) -> None:
+    pass
+
+  def event(self, kind: str, args, reads, outcome) -> None:
+    with self._lock:
+      self._kinds.append(kind)
+
+  def end(self, state) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+  def kinds(self) -> list[str]:
+    with self._lock:
+      return list(self._kinds)
 
 
 def wait_for(predicate, what: str, timeout: float = 240.0, poll: float = 0.2):
@@ -305,3 +438,28 @@ def make_token_data(root: pathlib.Path, max_bytes: int = 300_000, num_shards: in
   meta = shards.write_shards(tokenizer.load(str(tok_path)), str(corpus), str(root / "tokens"),
                              num_shards=num_shards, chunk_tokens=chunk_tokens)
   return TokenData(corpus=corpus, tokenizer=tok_path, shards=root / "tokens", meta=meta)
+
+
+def data_cfg(token_data: TokenData, seq_len=64):
+  """The `data` section of `base_config()` reading `token_data`, with `seq_len`."""
+  c = token_data.apply(config_lib.base_config())
+  c.data.seq_len = seq_len
+  return c.data
+
+
+def corpus_texts(token_data: TokenData) -> dict:
+  """The corpus files' texts by file name."""
+  return {p.name: p.read_text() for p in sorted(token_data.corpus.iterdir())}
+
+
+def file_streams(paths, dtype=np.uint16):
+  """Each shard file's whole token stream, read record by record."""
+  return [np.concatenate([np.frombuffer(r, dtype) for r in grain.sources.ArrayRecordDataSource(p)])
+          for p in paths]
+
+
+def split_documents(stream, eos):
+  """A shard's token stream cut into its documents (each ends with `eos`, dropped)."""
+  ends = np.flatnonzero(stream == eos)
+  assert ends.size and ends[-1] == stream.size - 1  # every document ends with eos
+  return np.split(stream[:-1], ends[:-1] + 1) if ends.size > 1 else [stream[:-1]]

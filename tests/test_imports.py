@@ -115,7 +115,8 @@ def test_direct_imports_follow_the_rules(importer, forbidden, why):
 def test_the_in_process_run_never_reaches_the_grpc_service():
   reached = _closure("diloco_jax.runs.inprocess")
   assert not {m for m in reached if _under(m, "grpc") or _under(m, "diloco_jax.syncer.server.grpc_service")
-              or _under(m, "diloco_jax.transports.grpc_client") or _under(m, "diloco_jax.protocol.proto.diloco_pb2")}, sorted(reached)
+              or _under(m, "diloco_jax.transports.grpc_client")
+              or _under(m, "diloco_jax.protocol.proto.diloco_pb2")}, sorted(reached)
   # And on a real interpreter (nothing third-party pulls grpc in either).
   code = ("import sys, diloco_jax.runs.inprocess; "
           "bad = [m for m in sys.modules if m.split('.')[0] == 'grpc' or m.startswith('diloco_jax.protocol.proto.')]; "
@@ -257,7 +258,8 @@ def test_syncer_rules_import_only_numpy_the_standard_library_protocol_and_outer(
   # The rules decide on the typed state (syncer/state.py: dataclasses over numpy), held to the same rule.
   allowed = ("diloco_jax.protocol", "diloco_jax.outer", "diloco_jax.syncer.rules", "diloco_jax.syncer.state")
   rules = [m for m in GRAPH if _under(m, "diloco_jax.syncer.rules") or m == "diloco_jax.syncer.state"]
-  assert {"diloco_jax.syncer.rules.quorum", "diloco_jax.syncer.rules.admission", "diloco_jax.syncer.state"} <= set(rules)
+  assert {"diloco_jax.syncer.rules.quorum", "diloco_jax.syncer.rules.admission",
+          "diloco_jax.syncer.state"} <= set(rules)
   bad = sorted((m, i) for m in rules for i in GRAPH[m]
                if not (i.split(".")[0] in sys.stdlib_module_names or i.split(".")[0] == "numpy"
                        or any(_under(i, a) for a in allowed)))

@@ -1,0 +1,37 @@
+"""Emulated learner speeds (`learner/pace.py`): the step pacer and its noise."""
+
+
+import numpy as np
+import pytest
+
+from diloco_jax import config as config_lib
+from diloco_jax.learner import pace
+
+
+def test_pacer_stretches_each_step_to_its_speed(monkeypatch):
+  slept = []
+  monkeypatch.setattr(pace.time, "sleep", slept.append)
+  p = pace.StepPacer(speed=0.5, step_cv=0.0, step_s=0.1)
+  assert p.active
+  assert p.stretch(0.05) == pytest.approx(0.15)  # the step takes 0.1 / 0.5 = 0.2 s in all
+  assert p.stretch(0.3) == 0.0 and p.overruns == 1  # longer than its target: not shortened
+  assert slept == [pytest.approx(0.15)]
+  # step_s = 0: the median of the learner's own measured steps stands in for a speed-1 step.
+  q = pace.StepPacer(speed=0.8, step_s=0.0)
+  for measured in (1.0, 0.1, 0.1, 0.1):  # a first step that compiled, then 0.1 s steps
+    q.stretch(measured)
+  assert slept[-1] == pytest.approx(0.1 / 0.8 - 0.1)
+  assert not pace.StepPacer().active and pace.StepPacer().stretch(1.0) == 0.0
+
+
+def test_pacer_noise_has_mean_one_and_the_asked_cv():
+  p = pace.StepPacer(speed=1.0, step_cv=0.1, step_s=1.0, seed=3)
+  draws = np.array([p.noise() for _ in range(20_000)])
+  assert abs(draws.mean() - 1.0) < 0.005 and abs(draws.std() - 0.1) < 0.005 and (draws > 0).all()
+  # Seeded per learner: two learners draw different noise, the same learner the same noise.
+  config = config_lib.base_config()
+  config.emulation.step_cv = 0.1
+  a, b, a2 = (pace.StepPacer.from_spec(config_lib.resolve(config), i) for i in (0, 1, 0))
+  assert a.noise() == a2.noise() != b.noise()
+  with pytest.raises(ValueError, match="speeds"):
+    pace.StepPacer(speed=0.0)

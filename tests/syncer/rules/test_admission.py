@@ -1,0 +1,239 @@
+"""Admission of a push (`syncer/rules/admission.py`) on a fake clock: no claim, norm, duplicate or stranger
+changes the global model, and what each hostile push gets back."""
+
+
+import numpy as np
+import pytest
+
+import helpers
+from diloco_jax import config as config_lib
+from diloco_jax.outer import fragments
+from diloco_jax.protocol.reasons import Rejected
+from diloco_jax.syncer import settings as settings_lib
+from diloco_jax.syncer.rules import admission
+
+FP = helpers.FP
+H, TPB, STEPS = helpers.PERIOD_STEPS, helpers.TOKENS_PER_STEP, helpers.TRAIN_STEPS
+make_core, push, frozen, small = helpers.bounded_core, helpers.push_period, helpers.frozen, helpers.small_delta
+
+
+def test_settings_from_config_bound_the_claims():
+  c = config_lib.base_config()
+  c.learners.num, c.data.global_batch, c.data.seq_len = 4, 16, 64
+  plan = type("Plan", (), {"num_fragments": 1, "size": lambda self, p: 8, "longest_gap": c.outer.sync_every})()
+  s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(c), plan, "fp")
+  assert (s.num_learners, s.tokens_per_step, s.period_steps, s.max_push_steps) == (4, 4 * 64, c.outer.sync_every,
+                                                                                   c.train.steps)
+  assert s.max_norm_ratio == c.outer.max_norm_ratio == 10.0
+  # A front-loaded schedule: a merge weight counts up to its longest gap, not H.
+  c.outer.sync_schedule, c.train.steps = "front_loaded", 160
+  plan = fragments.plan_for_config({"w": np.zeros(8, np.float32)}, c)
+  s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(c), plan, "fp")
+  assert s.period_steps == plan.longest_gap == 38 > c.outer.sync_every
+
+
+@pytest.mark.parametrize("steps,tokens,why", [
+    (H, 10**18, "tokens claimed"),  # the issue's push: tokens=1e18 took the whole merge weight
+    (H, H * TPB + 1, "tokens claimed"),
+    (0, 1, "tokens claimed"),
+    (STEPS + 1, (STEPS + 1) * TPB, "train.steps"),
+    (2**62, 2**62 * TPB, "train.steps"),
+])
+def test_impossible_claims_are_refused_and_change_nothing(steps, tokens, why):
+  c, _ = make_core(k=2)
+  push(c, 1, small())  # an open round that must stay as it is
+  before = frozen(c)
+  with pytest.raises(Rejected, match=why) as e:
+    push(c, 0, small(seed=1), steps=steps, tokens=tokens)
+  assert e.value.reason == "overclaim"
+  assert frozen(c) == before
+  assert c.counters["rejected"]["overclaim"] == 1 and c.counters["contributions_rejected"] == 1
+
+
+@pytest.mark.parametrize("rule", ["tokens", "tokens_sq_per_step"])
+def test_no_claim_weighs_more_than_an_honest_period(rule):
+  # Learner 0 claims the most the schedule allows (all of train.steps); learner 1 an honest period. Both
+  # weigh one period: the merge is their plain mean.
+  # Two of four learners' pushes make the round: the plain weighted mean, not scaled to their share.
+  c, _ = make_core(k=2, merge_rule=rule, scale_partial_rounds=False)
+  g0 = c.global_fragments()[0]
+  a, b = small(seed=1), small(seed=2)
+  push(c, 0, a, steps=STEPS, tokens=STEPS * TPB)
+  push(c, 1, b)
+  assert c.status()["versions"] == [1]
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - (0.5 * a + 0.5 * b), rtol=1e-5, atol=1e-7)
+  assert c.counters["tokens_merged"] == (STEPS + H) * TPB  # the tokens are still counted as claimed
+  # A shorter honest push (a flush) still weighs less.
+  c, _ = make_core(k=2, merge_rule=rule, scale_partial_rounds=False)
+  g0 = c.global_fragments()[0]
+  push(c, 0, a, steps=5)
+  push(c, 1, b)
+  w = np.array([5, 10.0]) if rule == "tokens" else np.array([25 / 5, 100 / 10])
+  w /= w.sum()
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - (w[0] * a + w[1] * b), rtol=1e-5, atol=1e-7)
+
+
+def test_outliers_are_refused_against_the_fragment_history():
+  c, _ = make_core(k=4)
+  g_norm = float(np.linalg.norm(c.global_fragments()[0]))
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  # Warm-up: the reference is the global fragment's own norm.
+  before = frozen(c)
+  with pytest.raises(Rejected, match="global fragment's own norm") as e:
+    push(c, 0, unit * 11 * g_norm)
+  assert e.value.reason == "outlier" and frozen(c) == before
+  # The issue's example: a finite 3e38 per element (its norm overflows float32): refused, state unchanged.
+  with pytest.raises(Rejected) as e:
+    push(c, 0, np.full(64, 3e38, np.float32))
+  assert e.value.reason == "outlier" and frozen(c) == before
+  # Four accepted pushes of norm ~1: now the median is the reference.
+  for i, scale in enumerate((1.0, 1.2, 0.9, 1.1)):
+    push(c, i, unit * scale)
+  assert c.status()["versions"] == [1]
+  before = frozen(c)
+  with pytest.raises(Rejected, match=r"median of its last 4") as e:
+    push(c, 0, unit * 10.6, base_version=1)  # > 10 x median(1.0, 1.2, 0.9, 1.1) = 10.5
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 10.4, base_version=1)  # within the bound
+  assert c.counters["rejected"]["outlier"] == 3 and c.counters["contributions_rejected"] == 3
+
+
+def test_work_of_several_periods_pushed_again_is_bounded_per_period():
+  # After a syncer restart a learner pushes again the work the restored syncer lacks: an outer gradient
+  # over several periods, as large as their sum. It is no outlier; the same norm over one period is.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i, scale in enumerate((1.0, 1.2, 0.9, 1.1)):
+    push(c, i, unit * scale)
+  before = frozen(c)
+  with pytest.raises(Rejected, match="over 10 steps") as e:
+    push(c, 0, unit * 40.0, base_version=1)  # 40 > 10 x 1 period x 1.05
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 40.0, base_version=1, steps=5 * H)  # 40 <= 10 x 5 periods x 1.05
+  with pytest.raises(Rejected, match="5 period") as e:
+    push(c, 1, unit * 60.0, base_version=1, steps=5 * H)  # 60 > 52.5: the bound still holds per period
+  assert e.value.reason == "outlier"
+
+
+def test_front_loaded_pushes_are_bounded_per_period_of_the_pushes_behind_the_reference():
+  # A front-loaded schedule's syncs cover 2 steps early and up to its longest gap late (here H = 10 is
+  # that longest gap): a push over many more steps than the ones behind the median may be as many times
+  # larger, no outlier; the same norm over as few steps as theirs is one.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i in range(4):
+    push(c, i, unit * 0.1, steps=2)  # early syncs: 2 steps each, norm 0.1
+  before = frozen(c)
+  with pytest.raises(Rejected, match="over 2 steps") as e:
+    push(c, 0, unit * 1.2, base_version=1, steps=2)  # 1.2 > 10 x 1 period x 0.1
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 0, unit * 1.2, base_version=1, steps=H)  # 1.2 <= 10 x 5 periods of 2 steps x 0.1
+  with pytest.raises(Rejected, match="5 period") as e:
+    push(c, 1, unit * 5.5, base_version=1, steps=H)  # 5.5 > 5: still bounded per period
+  assert e.value.reason == "outlier"
+
+
+def test_a_stale_push_is_compared_with_the_norms_of_its_base_version():
+  # A learner stopped for a while pushes the period it took early in training, when outer gradients were
+  # larger than the ones the others push now: no outlier against the norms of its own time. The same norm
+  # on a recent base is one.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  for i in range(4):
+    push(c, i, unit * 1.0)  # version 1 published with the median 1.0 as its reference
+  for v in range(1, 6):
+    for i in range(4):
+      push(c, i, unit * 0.05, base_version=v)
+  assert c.status()["versions"] == [6]
+  before = frozen(c)
+  with pytest.raises(Rejected, match="median of its last") as e:
+    push(c, 0, unit * 5.0, base_version=6)  # 5 > 10 x median 0.05
+  assert e.value.reason == "outlier" and frozen(c) == before
+  push(c, 3, unit * 5.0, base_version=1)  # 5 <= 10 x 1.0, the reference when version 1 was published
+  with pytest.raises(Rejected, match="its base version 1") as e:
+    push(c, 2, unit * 11.0, base_version=1)  # still bounded by that reference
+  assert e.value.reason == "outlier"
+
+
+def test_shrinking_early_pushes_and_flushes_are_never_outliers():
+  # Norms as a run shows them (tiny_cpu, measured): short warm-up pushes, a first full period about 3x
+  # larger, then shrinking, ending with half-period flushes.
+  c, _ = make_core(k=4, sizes=(64,))
+  unit = np.ones(64, np.float32) / 8
+  norms = [0.8] * 4 + [2.5] * 4 + [1.2] * 4 + [0.8] * 4 + [0.5] * 4 + [0.3] * 4 + [0.09] * 4
+  for v in range(len(norms) // 4):
+    for i in range(4):
+      push(c, i, unit * norms[4 * v + i], base_version=v)
+  assert c.status()["versions"] == [len(norms) // 4]
+  assert c.counters["contributions_rejected"] == 0
+
+
+def test_zero_pushes_do_not_set_the_scale():
+  # A first step at lr 0 moves nothing: those pushes must not make every later one an outlier.
+  c, _ = make_core(k=4)
+  for i in range(4):
+    push(c, i, np.zeros(64))
+  for i in range(4):
+    push(c, i, small(seed=i), base_version=1)
+  assert c.status()["versions"] == [2] and c.counters["contributions_rejected"] == 0
+
+
+def test_a_duplicate_push_gets_the_original_receipt_and_merges_once():
+  c, _ = make_core(k=2, scale_partial_rounds=False)  # two of four learners: the plain mean, checked below
+  g0 = c.global_fragments()[0]
+  a = small(seed=1)
+  first = c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  before = frozen(c)
+  again = c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert again == first and frozen(c) == before
+  assert c.counters["pushes_duplicate"] == 1
+  # The same key on another payload: refused.
+  with pytest.raises(Rejected) as e:
+    c.push(helpers.make_push(0, small(seed=9), core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert e.value.reason == "key_conflict" and frozen(c) == before
+  # Another sequence number of the same process is a new push; another learner's same key too.
+  b = small(seed=2)
+  c.push(helpers.make_push(1, b, core=c, steps=H, tokens=H * TPB, incarnation=77, sequence=1))
+  assert c.status()["versions"] == [1] and c.counters["contributions_merged"] == 2
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - 0.5 * (a + b), rtol=1e-5, atol=1e-7)
+  # A retry after the round closed: still the original receipt, not merged again.
+  assert c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77,
+                                  sequence=1)) == first
+  assert c.status()["versions"] == [1] and c.counters["contributions_merged"] == 2
+  # Memory is bounded: the last KEYS_PER_LEARNER keys of each learner.
+  for seq in range(2, 40):
+    c.push(helpers.make_push(2, small(seed=seq), core=c, steps=H, tokens=H * TPB, incarnation=5,
+                             sequence=seq, base_version=c.status()["versions"][0]))
+  assert len(c._machine.state.keys[2]) == admission.KEYS_PER_LEARNER
+
+
+def test_checkpoints_keep_the_keys_of_settled_contributions_only():
+  c, _ = make_core(k=2)
+  merged = helpers.make_push(0, small(seed=1), core=c, steps=H, tokens=H * TPB, incarnation=3, sequence=1)
+  c.push(merged)
+  c.push(helpers.make_push(1, small(seed=2), core=c, steps=H, tokens=H * TPB, incarnation=4, sequence=1))
+  pending = helpers.make_push(0, small(seed=3), core=c, steps=H, tokens=H * TPB, incarnation=3, sequence=2,
+                              base_version=1)
+  c.push(pending)  # in the open round: a checkpoint does not hold it
+  state = c.state_dict()
+  restored, _ = make_core(k=2)
+  restored.load_state_dict(state)
+  # The retry of a merged push is a duplicate for the restored syncer too; that of the dropped one merges.
+  assert restored.push(merged).round == 0
+  assert restored.counters["pushes_duplicate"] == c.counters["pushes_duplicate"] + 1
+  restored.push(pending)
+  assert restored.status()["open_rounds"]["0"]["contributions"] == 1
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4, 2**31 - 1, -2**31])
+def test_learner_ids_outside_the_run_are_refused_everywhere(bad_id):
+  c, _ = make_core(num_learners=4, k=2)
+  push(c, 0, small())
+  before = frozen(c)
+  calls = [lambda: c.join(bad_id, FP), lambda: c.heartbeat(bad_id, 1.0), lambda: c.leave(bad_id),
+           lambda: push(c, bad_id, small(seed=1)), lambda: c.check_learner_id(bad_id)]
+  for call in calls:
+    with pytest.raises(Rejected, match=r"\[0, learners.num=4\)") as e:
+      call()
+    assert e.value.reason == "learner_id"
+  assert frozen(c) == before and c.counters["rejected"]["learner_id"] == len(calls)

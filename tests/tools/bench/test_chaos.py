@@ -1,0 +1,32 @@
+"""`bench chaos`: Poisson failures, and the simulator configs of a shipped config."""
+
+
+import numpy as np
+
+from diloco_jax.tools.bench import chaos as bench_chaos
+from diloco_jax.tools.chaos import job as chaos_job
+from diloco_jax.tools.sim import goodput as sim_goodput
+
+
+def test_poisson_failures_for_the_benchmark():
+  events = bench_chaos.failure_schedule(0, 3, 40.0, 10.0, horizon_s=40_000)
+  gaps = np.diff([0.0] + [e.at_s for e in events])
+  assert 0.9 * 40 < gaps.mean() < 1.1 * 40 and len(events) > 900
+  assert {e.target for e in events} == {0, 1, 2} and all(e.kind == "learner_kill" for e in events)
+  assert events[:5] == bench_chaos.failure_schedule(0, 3, 40.0, 10.0, horizon_s=40_000)[:5]
+
+
+def test_simulator_configs_of_the_shipped_config(tiny_config):
+  """The simulator gets the run's real settings, `outer.max_in_flight = 0` (the schedule's need) resolved as
+  the learners resolve it, and both configurations simulate."""
+  assert tiny_config.outer.max_in_flight == 0
+  chaos_job.chaos_config_argv(tiny_config, [], 6)
+  sims = bench_chaos.sim_configs(
+      tiny_config, 6, 15.0, dp={"restart_cost_s": 3.0}, diloco={"learner_restart_cost_s": 5.0},
+      diloco_ref={"step_time_s": 0.1}, dp_ref={"window_s": 100.0, "steps_in_window": 1000}, repair_s=10.0)
+  o = tiny_config.outer
+  assert sims["diloco"].max_in_flight == -(-o.tau * o.num_fragments // o.sync_every) + 1 >= 1
+  assert sims["diloco"].learners == 6 and sims["dp"].restart_s == 13.0
+  for cfg in sims.values():
+    result = sim_goodput.simulate(cfg, repeats=1, seed=0)
+    assert 0.0 < result.goodput <= 1.0

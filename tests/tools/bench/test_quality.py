@@ -1,0 +1,81 @@
+"""`bench quality --budgets`: the data-parallel / Decoupled DiLoCo pair at several multiples of the steps,
+with the ratios per budget and the PNG of the curves."""
+
+import json
+
+import pytest
+
+from diloco_jax import cli
+from diloco_jax import config as config_lib
+from diloco_jax.tools.bench import quality
+
+# Two learners of a 32-wide model: what these tests check (the pair per budget, the rungs) needs no more.
+SMALL = ["--config.learners.num=2", "--config.model.d_model=32", "--config.model.mlp_dim=64",
+         "--config.model.head_dim=8"]
+
+
+def test_budgets_run_the_pair_at_each_multiple_and_plot(tmp_path, capsys):
+  argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
+          "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
+          "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
+          *SMALL,
+          "--budgets=2,1", f"--workdir={tmp_path / 'q'}", "--json"]
+  assert quality.bench_quality(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert sorted(out["budgets"]) == ["1", "2"]
+  for budget, steps in (("1", 4), ("2", 8)):
+    r = out["budgets"][budget]
+    assert r["steps"] == steps
+    assert r["tokens"] == r["diloco_tokens"] == steps * 16 * 64  # the same tokens on both sides
+    assert r["loss_ratio"] == pytest.approx(r["diloco_eval_loss"] / r["dp_eval_loss"])
+    assert r["bytes_ratio"] == pytest.approx(r["dp_bytes_per_worker"] / r["diloco_bytes_per_learner"])
+    # Both curves start at the same initial model and end at the final eval losses.
+    assert r["dp_curve"][0][0] == r["diloco_curve"][0][0] == 0
+    assert r["dp_curve"][-1][1] == pytest.approx(r["dp_eval_loss"])
+    assert r["diloco_curve"][-1][1] == pytest.approx(r["diloco_eval_loss"])
+  assert out["config"]["steps"] == 4  # the config's own budget, not the last multiple run
+  with open(out["plot"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("values", [["0"], ["1", "x"], []])
+def test_bad_budgets_are_a_usage_error(values, capsys):
+  with pytest.raises(cli.UsageError):  # before anything runs
+    quality.bench_quality(["bench quality", "--config", "configs/tiny_cpu.py", f"--budgets={','.join(values)}"])
+  assert "error: --budgets:" in capsys.readouterr().err
+
+
+def test_the_ladder_puts_the_parts_back_one_at_a_time(tmp_path, capsys):
+  """Each rung differs from the one before in the part it names; the last is the config as given, whose
+  figures are the pair's; a part the config does not use gets no rung."""
+
+  c = config_lib.base_config()
+  c.outer.sync_every, c.outer.tau, c.outer.min_quorum = 8, 2, 1
+  rungs = quality.ladder(c)
+  assert [name for name, _, _ in rungs] == ["exact, H = 1", "exact, H = 8", "synchronous", "K = all",
+                                            "as configured"]
+  first, drift, sync, k_all, shipped = (r[2] for r in rungs)
+  assert (first.outer.sync_every, first.outer.num_fragments, first.outer.codec) == (1, 1, "fp32")
+  assert (drift.outer.sync_every, drift.outer.lr, drift.outer.momentum, drift.outer.tau) == (8, 1.0, 0.0, 0)
+  assert (sync.outer.codec, sync.outer.num_fragments, sync.outer.tau, sync.outer.min_quorum) == (
+      c.outer.codec, c.outer.num_fragments, 0, 0)
+  assert (k_all.outer.tau, k_all.outer.min_quorum) == (2, 0)
+  assert shipped.to_dict() == c.to_dict()
+  assert c.outer.sync_every == 8  # the rungs are copies
+  c.outer.tau, c.outer.min_quorum = 0, 0  # synchronous K = all: no overlap or quorum rung
+  assert [name for name, _, _ in quality.ladder(c)] == ["exact, H = 1", "exact, H = 8", "as configured"]
+
+  argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
+          "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
+          "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
+          *SMALL,
+          f"--workdir={tmp_path / 'q'}", "--ladder", "--json"]
+  assert quality.bench_quality(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  ladder = out["ladder"]
+  assert [r["rung"] for r in ladder][-1] == "as configured"
+  assert ladder[-1]["eval_loss"] == pytest.approx(out["diloco_eval_loss"])
+  for r in ladder:
+    assert r["loss_ratio"] == pytest.approx(r["eval_loss"] / out["dp_eval_loss"])
+  # Exact averaging after every step moves fp32 both ways every step: the most bytes of any rung.
+  assert ladder[0]["bytes_ratio"] < ladder[-1]["bytes_ratio"]
