@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diloco_jax import config as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 
 Params = dict[str, Any]
@@ -146,27 +147,13 @@ class Transformer(nnx.Module):
     return logits.astype(jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """The model's shape, frozen and hashable (it is static in the module's graph)."""
-
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mlp_dim: int
-  max_seq_len: int
-  rope_theta: float
-  tie_embeddings: bool
-  dtype: str
-  remat: bool
-
-
-def _to_plain_cfg(model_cfg) -> ModelConfig:
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  return ModelConfig(**{k: v for k, v in model_cfg.to_dict().items() if k in fields})
+def _to_plain_cfg(model_cfg) -> config_lib.ModelSpec:
+  """The model's shape as the config's frozen, hashable `ModelSpec` (static in the module's graph), from a
+  spec or a config section."""
+  if isinstance(model_cfg, config_lib.ModelSpec):
+    return model_cfg
+  fields = {f.name for f in dataclasses.fields(config_lib.ModelSpec)}
+  return config_lib.ModelSpec(**{k: v for k, v in model_cfg.to_dict().items() if k in fields})
 
 
 def abstract_model(model_cfg, mesh):

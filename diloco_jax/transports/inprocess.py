@@ -6,10 +6,9 @@ interface over the network, and the learner does not know which one it has.
 
 from __future__ import annotations
 
-import threading
-
 from diloco_jax.protocol.interfaces import SyncerAPI
 from diloco_jax.protocol.messages import Published, Push, PushReceipt, Versions
+from diloco_jax.transports.traffic import Traffic
 
 
 class InProcessTransport:
@@ -18,19 +17,15 @@ class InProcessTransport:
 
   def __init__(self, core: SyncerAPI):
     self.core = core
-    self._sent = 0
-    self._received = 0
-    self._lock = threading.Lock()  # the counters are updated from a learner's several threads
+    self._traffic = Traffic()  # updated from a learner's several threads
 
   @property
   def bytes_sent(self) -> int:
-    with self._lock:
-      return self._sent
+    return self._traffic.bytes_sent
 
   @property
   def bytes_received(self) -> int:
-    with self._lock:
-      return self._received
+    return self._traffic.bytes_received
 
   def join(self, learner_id: int, fingerprint: str) -> Versions:
     return self.core.join(learner_id, fingerprint)
@@ -39,16 +34,14 @@ class InProcessTransport:
     self.core.leave(learner_id)
 
   def push(self, push: Push) -> PushReceipt:
-    with self._lock:
-      self._sent += len(push.payload)
+    self._traffic.sent(len(push.payload), first=True)
     return self.core.push(push)
 
   def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
            have_epoch: int = 0) -> Published | None:
     published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version, have_epoch=have_epoch)
     if published is not None:
-      with self._lock:
-        self._received += len(published.payload)
+      self._traffic.received(len(published.payload), first=True)
     return published
 
   def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None, blocked: bool = False) -> int:
