@@ -54,7 +54,8 @@ def joined(old: Member | None, now: float, lease_s: float) -> Member:
     return Member(lease_until=now + lease_s, progress_at=now, step=None)
   return Member(lease_until=now + lease_s, progress_at=now, step_time_s=old.step_time_s, step=old.step,
                 step_at=old.step_at, last_push=old.last_push, steps_merged=old.steps_merged,
-                period_weights=old.period_weights)
+                period_weights=old.period_weights, norms=old.norms, refused_in_row=old.refused_in_row,
+                refused_total=old.refused_total)
 
 
 def heartbeat_problem(m: Member | None, learner_id: int) -> tuple[str, str] | None:
