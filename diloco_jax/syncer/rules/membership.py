@@ -58,13 +58,18 @@ def joined(old: Member | None, now: float, lease_s: float) -> Member:
                 refused_total=old.refused_total)
 
 
-def heartbeat_problem(m: Member | None, learner_id: int) -> tuple[str, str] | None:
-  """(reason, message) when a heartbeat cannot renew a lease: the learner must join again."""
+def heartbeat_problem(m: Member | None, learner_id: int, step_time_s: float = 0.0,
+                      max_step_time_s: float = math.inf) -> tuple[str, str] | None:
+  """(reason, message) when a heartbeat cannot renew a lease: the learner must join again, or it claims a
+  step time beyond `max_step_time_s` (the lease: a claim that would keep a stopped learner counted)."""
   if m is None:
     return (Reason.UNKNOWN_LEARNER, f"learner {learner_id} is not a member of this syncer (never joined, or "
             "pruned after its lease lapsed): join again")
   if m.left:
     return (Reason.NOT_MEMBER, f"learner {learner_id} left; join again")
+  if not 0 <= step_time_s <= max_step_time_s:
+    return (Reason.METADATA, f"learner {learner_id} reports a step time of {step_time_s:.4g} s; this run allows "
+            f"[0, {max_step_time_s:g}] s (outer.lease_s)")
   return None
 
 

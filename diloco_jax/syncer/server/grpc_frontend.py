@@ -27,6 +27,7 @@ from diloco_jax.protocol import convert
 from diloco_jax.protocol.chunking import ProtocolError, Reassembler
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol.reasons import REASON_METADATA_KEY, Reason, Rejected, shorten, status_of
+from diloco_jax.syncer.server.auth import grpc_identity
 from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy
 from diloco_jax.syncer.server.watch import Stream, StreamWatch
@@ -107,9 +108,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
   @staticmethod
   def _caller(context, learner_id):
-    """Who is calling: the connection's peer address (set by the transport, not the request) and the
-    learner id the request claims."""
-    return context.peer(), learner_id
+    """Who is calling: its source, the authenticated identity and the connection's peer address (set by
+    the transport and the authentication, not the request), and the learner id the request claims."""
+    return (grpc_identity(context), context.peer()), learner_id
 
   @_rpc()
   def Join(self, request, context):
@@ -134,7 +135,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
   def Push(self, request_iterator, context):
     # The slot is the connection's (its header, with the claimed id, has not arrived yet): a stream
     # that stalls before its header holds a slot too, never a thread beyond the push quota.
-    connection = self._caller(context, "push")
+    connection = self._caller(context, "push")[0]
     self.gate.push_slots.acquire(connection)
     stream = self._watch.watch(context)
     try:
@@ -176,7 +177,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     if published is None and timeout <= 0:
       return convert.not_found_chunks(call.fragment, self.gate.epoch)
     # The slot is held through the long-poll wait and the chunk stream (released when the stream ends).
-    self.gate.pull_slots.acquire(caller)
+    self.gate.pull_slots.acquire(caller[0])
     stream = self._watch.watch(context)
     try:
       stream.waiting = True
@@ -186,22 +187,22 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       stream.restart()
     except BaseException:
       self._watch.done(stream)
-      self.gate.pull_slots.release(caller)
+      self.gate.pull_slots.release(caller[0])
       raise
     if published is None:
       answer = convert.not_found_chunks(call.fragment, self.gate.epoch)
     else:
       self.gate.pulled(published)
       answer = self._pull_chunks(published, stream)
-    return self._released(answer, stream, caller)
+    return self._released(answer, stream, caller[0])
 
-  def _released(self, messages, stream: Stream, caller):
+  def _released(self, messages, stream: Stream, source):
     """Yield `messages`, then free the Pull's slot and watch (also when the client goes away)."""
     try:
       yield from messages
     finally:
       self._watch.done(stream)
-      self.gate.pull_slots.release(caller)
+      self.gate.pull_slots.release(source)
 
   def _pull_chunks(self, published, stream: Stream):
     for k, message in enumerate(convert.pull_chunks(published, self.gate.limits.chunk_bytes)):
