@@ -34,8 +34,9 @@ from diloco_jax.syncer.server.watch import Stream, StreamWatch
 
 log = logging.getLogger(__name__)
 
-# Refusals that a busy or flooded server answers many times a second: counted, logged at debug level only.
-_QUIET_REASONS = (Reason.RATE_LIMIT, Reason.BUSY)
+# Refusals that a busy or flooded server answers many times a second: counted, logged at debug level only
+# (a learner refused again and again for merge safety is logged once by the core, `admission.REPEATED_REFUSALS`).
+_QUIET_REASONS = (Reason.RATE_LIMIT, Reason.BUSY, Reason.ROUND_SHARE, Reason.LEARNER_ID)
 
 
 def _refusal(e: Exception) -> tuple[str, str, str] | None:
