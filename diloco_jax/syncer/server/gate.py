@@ -103,6 +103,7 @@ class SyncerGate:
   def check_id(self, learner_id) -> None:
     """Refuse ("learner_id") an id outside [0, learners.num): the core never sees it (no lock, no write)."""
     if not self.valid_id(learner_id):
+      self.count("ids_refused")
       raise GateRefusal(Reason.LEARNER_ID, f"rejected (learner_id): learner id {shorten(learner_id)} is not one "
                         f"of this run's learners [0, learners.num={self.num_learners})")
 
@@ -140,9 +141,15 @@ class SyncerGate:
     return self.core.heartbeat(call.learner_id, step_time, step=call.step, blocked=call.blocked)
 
   def status(self, caller) -> dict:
-    """The core's status, with the service's counters and the gRPC long calls in flight as `server`."""
+    """The core's status, with the service's counters and the gRPC long calls in flight as `server`; the ids
+    the gate refused count in `counters.rejected.learner_id` with the core's own."""
     self.admit(caller)
     status = dict(self.core.status())
+    refused = self.counters().get("ids_refused", 0)
+    if refused:  # the ids this gate refused count with the core's own, as if the core had refused them
+      counters = status["counters"] = dict(status["counters"])
+      rejected = counters["rejected"] = dict(counters["rejected"])
+      rejected[Reason.LEARNER_ID] = rejected.get(Reason.LEARNER_ID, 0) + refused
     status["server"] = {**self.counters(), "pushes_in_flight": self.push_slots.in_use,
                         "pulls_in_flight": self.pull_slots.in_use}
     return status
