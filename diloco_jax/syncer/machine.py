@@ -21,7 +21,7 @@ from diloco_jax.protocol.reasons import Reason, Rejected, shorten
 from diloco_jax.syncer import close, snapshot
 from diloco_jax.syncer.downlink import Downlink
 from diloco_jax.syncer.rules import admission, membership, recovery, rounds
-from diloco_jax.syncer.state import NORM_HISTORY, Contribution, KeyRecord, Round, SyncerState
+from diloco_jax.syncer.state import Contribution, KeyRecord, Round, SyncerState
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,6 @@ class Machine:
     refusal = admission.outlier_problem(s, fragment, push, check.norm, st.members, now)
     if refusal:
       raise self._refuse(refusal, push)
-    entry = admission.history_entry(check.norm, admission.outlier_reference(s, fragment, push, st.members, now)[0])
     self.tick()  # a push after a round's deadline belongs to the next round
     refusal = admission.round_share_problem(fragment.open, push)
     if refusal:
@@ -147,10 +146,10 @@ class Machine:
                                                     check.encoded, check.norm, now, weight_steps, weight_tokens,
                                                     key))
     member = st.members[push.learner_id]
-    if entry > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
-      fragment.norms.append(entry)
+    if check.norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
+      fragment.norms.append(check.norm)
       fragment.norm_steps.append(push.steps)
-      member.norms.setdefault(p, collections.deque(maxlen=NORM_HISTORY)).append(entry)
+      member.norms.setdefault(p, collections.deque(maxlen=admission.learner_window(s))).append(check.norm)
     member.progress_at, member.stall_counted, member.last_push = now, False, now  # it stepped to get here
     member.refused_in_row = 0
     member.period_weights[p] = float(outer.raw_weights([weight_tokens], [weight_steps], s.merge_rule)[0])

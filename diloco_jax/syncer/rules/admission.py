@@ -6,8 +6,8 @@ learner can do"):
   weight counts at most one period (`weight_inputs`); a learner's pushes in one round at most
   `PUSHES_PER_ROUND` ("round_share"), their weights summed under its largest (`rules/rounds.py`).
 * Outliers: a norm over `max_norm_ratio` x the periods its steps cover x the fragment's reference
-  (`outlier_problem`, `norm_reference`): anchored to the global's own norm, a median over the live
-  learners' own histories (one learner cannot raise it), each entry clipped at `HISTORY_GROWTH` x it.
+  (`outlier_problem`, `norm_reference`): a median over the live learners' own histories (one learner
+  cannot raise it), never above the anchor, the global's own norm.
 * Finiteness and integrity: checksum, and finiteness from the payload's scales (`payload_check`).
 * Idempotency: a key accepted before gets its receipt again; the same key on another payload, or a key
   older than the ones remembered of its learner's process, is refused (`retry_of`).
@@ -26,12 +26,11 @@ from diloco_jax.outer import codec as codec_lib
 from diloco_jax.protocol.messages import Push
 from diloco_jax.protocol.reasons import Reason, shorten
 from diloco_jax.syncer.rules import membership
-from diloco_jax.syncer.state import FragmentState, KeyRecord, Member
+from diloco_jax.syncer.state import NORM_HISTORY, FragmentState, KeyRecord, Member
 
 NORM_WARMUP = 4  # accepted norms needed before their median is the outlier reference
 NORM_FLOOR = 1e-3  # the median reference never falls below this times the global fragment's norm
 WARMUP_RMS = 0.1  # before NORM_WARMUP accepted norms, the reference is at least this RMS per element
-HISTORY_GROWTH = 2.0  # a norm enters the history clipped at this x the reference it was admitted under
 # Idempotency keys remembered per learner: far more than the pushes it can have in flight, so any key it
 # may still retry (within its retry deadline) is remembered; an older key of the same process is refused.
 KEYS_PER_LEARNER = 256
@@ -232,10 +231,11 @@ def norm_reference(fragment: FragmentState, size: int, members: Mapping[int, Mem
   return reference, what
 
 
-def history_entry(norm: float, reference: float) -> float:
-  """What an accepted norm adds to the histories: clipped at HISTORY_GROWTH x the reference it was admitted
-  under, so no run of accepted pushes can raise the reference faster than that per half-history."""
-  return min(norm, HISTORY_GROWTH * reference)
+def learner_window(settings) -> int:
+  """Accepted norms kept per learner and fragment: the fragment's NORM_HISTORY shared out among the run's
+  learners (at least 2), so the reference follows a run's norms as closely as one fragment-wide history
+  of the latest NORM_HISTORY pushes would."""
+  return max(2, NORM_HISTORY // max(int(settings.num_learners), 1))
 
 
 def _period_steps(fragment: FragmentState, settings) -> float:

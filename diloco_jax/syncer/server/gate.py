@@ -93,8 +93,7 @@ class SyncerGate:
     """Spend one call of the caller's source's rate, or refuse ("rate_limit"); `where` says where it calls
     from."""
     if not self._rate.allow(caller[0]):
-      raise GateRefusal(Reason.RATE_LIMIT, f"learner {shorten(caller[1])} {where} exceeds "
-                        f"{self.limits.rate_per_s:g} calls/s")
+      raise GateRefusal(Reason.RATE_LIMIT, f"learner {caller[1]} {where} exceeds {self.limits.rate_per_s:g} calls/s")
 
   def valid_id(self, learner_id) -> bool:
     """Whether `learner_id` may be one of this run's learners (always, when the core did not say how many)."""
