@@ -342,3 +342,20 @@ def test_a_learner_refused_again_and_again_is_reported():
   assert c.drain_decisions()[-1]["refused_repeatedly"] == [2]
   push(c, 2, small(seed=8), base_version=c.status()["versions"][0])  # an accepted push ends the run
   assert c.status()["refused_repeatedly"] == [] and c.status()["members"]["2"]["refused_total"] == 3
+
+
+def test_honest_norm_growth_is_followed_as_before():
+  # The per-learner histories share out the 16 latest pushes of a run: 4 learners whose norms grow 2.5x a
+  # round (a learning-rate warm-up) are never refused, as with one fragment-wide history; 3x is (as before).
+  unit = np.ones(64, np.float32) / 8
+  for growth, refused in ((2.5, 0), (3.0, 40)):
+    c, _ = make_core(k=4)
+    norm = 0.001
+    for _ in range(14):
+      for i in range(4):
+        try:
+          push(c, i, unit * norm, base_version=c.status()["versions"][0])
+        except Rejected:
+          pass
+      norm *= growth
+    assert c.counters["rejected"]["outlier"] == refused
