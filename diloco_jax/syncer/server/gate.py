@@ -7,13 +7,11 @@ one, a Pull, Heartbeat or Leave of another run (with `fingerprint`), a malformed
 (`GateRefusal`, whose `Reason` names the status code) and never reach, so never change, the core; the core's
 own refusals (`protocol.Rejected`) pass through. It keeps the service's counters (`status()["server"]`).
 
-Callers. A caller is (its source, the learner id it claims). The source is what the transport and the
-authentication say, never the request: the authenticated identity (the client certificate's digest under
-mutual TLS, else the run token, `auth.identity_of`) with the gRPC connection's peer, or with the data
-plane's peer host and a valid learner id (its transfers have a connection each). Rate limits and slots are
-keyed by the source, so claiming other ids on one connection spends one budget, and a flood from another
-connection under a victim's id spends its own. Ids outside the run are refused here, after their call was
-counted against the source, without reaching the core.
+Callers: (source, claimed id). The source is what the transport and authentication say, never the request:
+the identity (`auth.identity_of`) with the gRPC connection's peer, or with the data plane's peer host and a
+valid id. Rate limits and slots are keyed by it: other ids claimed on one connection spend one budget, a
+flood from another connection spends its own. Ids outside the run are refused here, after their call was
+counted against the source, without reaching the core (docs/operations.md, "Identity").
 """
 
 from __future__ import annotations
