@@ -82,7 +82,7 @@ class Machine:
   def heartbeat(self, learner_id, step_time_s, step, blocked) -> int:
     st = self.state
     self.check_id(learner_id)
-    problem = membership.heartbeat_problem(st.members.get(learner_id), learner_id, step_time_s, self.settings.lease_s)
+    problem = membership.heartbeat_problem(st.members.get(learner_id), learner_id)
     if problem:
       raise Rejected(*problem)
     st.members[learner_id] = membership.renewed(st.members[learner_id], self._now(), self.settings.lease_s,
