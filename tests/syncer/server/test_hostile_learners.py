@@ -4,6 +4,8 @@ unchanged where they should be, and a legitimate learner served meanwhile (every
 HEARTBEAT_S, its pushes merged). The syncer's memory under attack: tests/process/test_hostile_learner.py.
 docs/operations.md, "What a learner can do", names these tests."""
 
+import pathlib
+import re
 import socket
 import struct
 import threading
@@ -334,3 +336,17 @@ def test_a_token_holder_holding_a_learners_data_plane_slots_does_not_starve_it(s
   finally:
     for sock in socks:
       sock.close()
+
+
+def test_the_trust_model_names_tests_that_exist():
+  # docs/operations.md, "What a learner can do": every promise names its tests; each must exist.
+  root = pathlib.Path(__file__).resolve().parents[3]
+  text = (root / "docs" / "operations.md").read_text()
+  section = text[text.index("## What a learner can do"):text.index("## Network exposure and TLS")]
+  named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", section)
+  named += [(None, name) for name in re.findall(r"`::(test_\w+)`", section)]
+  assert len(named) >= 15
+  sources = {path.name: path.read_text() for path in (root / "tests").rglob("test_*.py")}
+  everything = "\n".join(sources.values())
+  for file, name in named:
+    assert f"def {name}(" in (sources[file] if file else everything), (file, name)
