@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 
 from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.chunking import BufferPool
-from diloco_jax.protocol.messages import Published, PullCall
+from diloco_jax.protocol.messages import OBSERVER_ID, Published, PullCall
 from diloco_jax.protocol.reasons import Reason, Rejected
 from diloco_jax.syncer.server.auth import identity_of
 from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
@@ -232,10 +232,12 @@ class DataPlaneServer:
       conn.sendall(wire.refusal(e.reason, e.message))
 
   def _caller(self, peer: tuple[str, str], learner_id) -> tuple[tuple, object]:
-    """(source, claimed id): the identity, the peer host and the id if the run may have it (else all ids
-    outside the run share one source, refused by the gate after spending its rate)."""
+    """(source, claimed id): the identity, the peer host and the id if the run may have it or it is the
+    observer's (else all ids outside the run share one source, refused by the gate after spending its
+    rate)."""
     identity, host = peer
-    return (identity, f"data:{host}", learner_id if self.gate.valid_id(learner_id) else "invalid"), learner_id
+    valid = self.gate.valid_id(learner_id) or learner_id == OBSERVER_ID
+    return (identity, f"data:{host}", learner_id if valid else "invalid"), learner_id
 
   def _push(self, conn, peer: tuple[str, str], header: bytes, deadline: float) -> None:
     h = convert.parse_push_header(header)
