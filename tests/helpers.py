@@ -177,11 +177,15 @@ def push_period(c: SyncerCore, learner: int, delta, **kw):
 
 
 def frozen(c: SyncerCore) -> str:
-  """Everything but the counters: globals, momentum, versions, open rounds, members."""
+  """Everything but the counters (and the members' refusal counts): globals, momentum, versions, open rounds,
+  members."""
   state = c.state_dict()
   status = c.status()
   for d in (state, status):
     d.pop("counters")
+  status.pop("refused_repeatedly")  # refusals are counted (per member too): counters, not the model
+  for m in status["members"].values():
+    m.pop("refused_in_row"), m.pop("refused_total")
   return repr({k: ([np.asarray(x).tobytes() for x in v] if k == "fragments" else v)
                for k, v in state.items() if k != "opt_states"}) + json.dumps(status, sort_keys=True)
 

@@ -123,7 +123,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "grace_gamma": _f(0.5, E),
         "min_grace_s": _f(0.0, E),
         "max_grace_s": _f(5.0, E),
-        "max_norm_ratio": _f(10.0, E),  # refuse an outer gradient > this x the recent median norm (0 = off)
+        "max_norm_ratio": _f(10.0, E),  # refuse an outer gradient > this x the learners' median norm (0 = off)
         # Derived: 0 = what the schedule needs, ceil(tau P / H) + 1 (`fragments.in_flight_limit`).
         "max_in_flight": _f(0, OP),
         "downlink_history": _f(0, OP),  # references kept per fragment; derived: 0 = 2 x learners.num
@@ -144,7 +144,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "chunk_kb": _f(1024, OP),  # Pull chunk size
         "max_message_mb": _f(4, OP),  # gRPC message size limit, both ways
         "max_push_mb": _f(2048, OP),  # declared size of one Push (also capped by the largest fragment in fp32)
-        "rate_limit_per_s": _f(50.0, OP),  # calls per learner per second, sustained (0 = unlimited)
+        "rate_limit_per_s": _f(50.0, OP),  # calls per source (identity + connection) per second (0 = unlimited)
         "rate_limit_burst": _f(200.0, OP),
         "max_pull_wait_s": _f(60.0, OP),  # long-poll cap of one Pull
         "stream_stall_s": _f(10.0, OP),  # a Push or Pull stream that moves no payload bytes this long is cut

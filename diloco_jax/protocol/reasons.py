@@ -49,6 +49,7 @@ class Reason(enum.StrEnum):
   KEY_CONFLICT = "key_conflict", "INVALID_ARGUMENT"  # an idempotency key seen before, on another payload
   EPOCH = "epoch", "INVALID_ARGUMENT"  # base_version of another syncer lifetime: the learner recovers first
   WRONG_SHARD = "wrong_shard", "INVALID_ARGUMENT"  # the fragment belongs to another shard
+  ROUND_SHARE = "round_share", "INVALID_ARGUMENT"  # the learner's pushes into this round are at their limit
   # The service's:
   RATE_LIMIT = "rate_limit", "RESOURCE_EXHAUSTED", False  # calls per second of one caller
   BUSY = "busy", "RESOURCE_EXHAUSTED", False  # the long-call slots are full

@@ -56,26 +56,30 @@ def close_round(state: SyncerState, p: int, why: str, settings, downlink: Downli
   fragment.pending_share, fragment.cycle_open = pending_share, not full
   first = fragment.version + 1
   _publish(fragment, downlink.commit(p, first, fragment.global_vec, held=[c.base_version for c in cs]),
-           s.sizes[p])
+           s.sizes[p], state.members, p, started)
   took = clock() - started
   fragment.t_sync = took if fragment.t_sync == 0.0 else (1 - T_SYNC_EMA) * fragment.t_sync + T_SYNC_EMA * took
   _count(state, p, rnd, started)
-  record = rounds.decision_record(p, first, rnd, started, why, counted, weights, took)
+  record = rounds.decision_record(p, first, rnd, started, why, counted, weights, took,
+                                  admission.refused_repeatedly(state.members))
   if len(state.decisions) == state.decisions.maxlen:
     state.decisions_dropped += 1
   state.decisions.append(record)
   return record
 
 
-def _publish(fragment: FragmentState, published: int, size: int) -> None:
+def _publish(fragment: FragmentState, published: int, size: int, members, p: int, now: float) -> None:
   """The round is in the model: `published` new versions, each remembering its round and outlier reference."""
   first = fragment.version + 1
   fragment.rounds += 1
   fragment.version += published
-  reference = admission.norm_reference(fragment, size)[0]
+  # Only references after warm-up are remembered: a push on a warm-up version gets today's (no base
+  # version keeps the warm-up's looser bound).
+  reference = admission.norm_reference(fragment, size, members, p, now)[0] if admission.warmed_up(fragment) else None
   for v in range(first, first + published):
     fragment.version_round[v] = fragment.rounds
-    fragment.version_reference[v] = reference
+    if reference is not None:
+      fragment.version_reference[v] = reference
   for remembered in (fragment.version_round, fragment.version_reference):
     while len(remembered) > VERSIONS_REMEMBERED:
       del remembered[next(iter(remembered))]  # the oldest: versions are inserted in increasing order
@@ -83,7 +87,7 @@ def _publish(fragment: FragmentState, published: int, size: int) -> None:
 
 def _count(state: SyncerState, p: int, rnd, started: float) -> None:
   cs, c = rnd.contributions, state.counters
-  tokens = int(sum(x.tokens for x in cs))
+  tokens = rounds.capped_tokens(cs)
   c["rounds"] += 1
   c["contributions_merged"] += len(cs)
   c["tokens_merged"] += tokens

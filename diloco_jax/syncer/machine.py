@@ -35,10 +35,19 @@ class Machine:
     self._now, self._changed, self._wake = now, changed, wake
     self.closes: list[tuple[int, dict | None]] = []  # the rounds closed (decision record, None: refused)
 
-  def _refuse(self, refusal: admission.Refusal, push: bool = False) -> Rejected:
+  def _refuse(self, refusal: admission.Refusal, push: Push | None = None) -> Rejected:
+    # No journal write: a refusal changes only counters, which the next change journals (a flood of
+    # refusals must cost no disk write under the lock; a crash forgets at most the latest refusals' counts).
     self.state.counters["rejected"][refusal.reason] += 1
-    self.state.counters["contributions_rejected"] += int(push)
-    self._changed(False)
+    self.state.counters["contributions_rejected"] += int(push is not None)
+    if push is not None and refusal.reason in admission.MERGE_SAFETY:
+      member = self.state.members.get(push.learner_id)
+      if member is not None:
+        member.refused_in_row += 1
+        member.refused_total += 1
+        if member.refused_in_row == admission.REPEATED_REFUSALS:
+          log.warning("learner %d: %d pushes in a row refused for merge safety, the latest as %s: %s",
+                      push.learner_id, member.refused_in_row, refusal.reason, refusal.message)
     return Rejected(refusal.reason, refusal.message)
 
   def check_id(self, learner_id) -> None:
@@ -84,9 +93,9 @@ class Machine:
   # ---- pushes ----
 
   def _retry(self, push: Push) -> PushReceipt | None:
-    found = admission.retry_of(self.state.keys, push)
+    found = admission.retry_of(self.state.keys, push, self.state.key_floors)
     if isinstance(found, admission.Refusal):
-      raise self._refuse(found, push=True)
+      raise self._refuse(found, push)
     if found is not None:
       self.state.counters["pushes_duplicate"] += 1
       return found.receipt
@@ -96,13 +105,13 @@ class Machine:
     st = self.state
     refusal = admission.push_problem(self.settings, st.members, st.fragments, st.epoch, push, self._now())
     if refusal:
-      raise self._refuse(refusal, push=True)
+      raise self._refuse(refusal, push)
 
   def push_check(self, push: Push) -> PushReceipt | None:
     """The cheap checks: sender, retry (its receipt again), membership, shape and claims."""
     refusal = admission.sender_problem(self.settings, push)
     if refusal:
-      raise self._refuse(refusal, push=True)
+      raise self._refuse(refusal, push)
     receipt = self._retry(push)
     if receipt is None:
       self._check_push(push)
@@ -113,16 +122,20 @@ class Machine:
     s, st = self.settings, self.state
     check = admission.payload_check(s, push) if check is None else check
     if check.refusal:
-      raise self._refuse(check.refusal, push=True)
+      raise self._refuse(check.refusal, push)
     receipt = self._retry(push)  # the same key may have been accepted meanwhile (a retry)
     if receipt is not None:
       return receipt
     self._check_push(push)  # the state may have changed while the payload was checked
     p, fragment = push.fragment, st.fragments[push.fragment]
-    refusal = admission.outlier_problem(s, fragment, push, check.norm)
+    now = self._now()
+    refusal = admission.outlier_problem(s, fragment, push, check.norm, st.members, now)
     if refusal:
-      raise self._refuse(refusal, push=True)
+      raise self._refuse(refusal, push)
     self.tick()  # a push after a round's deadline belongs to the next round
+    refusal = admission.round_share_problem(fragment.open, push)
+    if refusal:
+      raise self._refuse(refusal, push)
     now = self._now()
     late = rounds.staleness(fragment, push.base_version) > 0
     if fragment.open is None:
@@ -132,11 +145,13 @@ class Machine:
     fragment.open.contributions.append(Contribution(push.learner_id, push.base_version, push.steps, push.tokens,
                                                     check.encoded, check.norm, now, weight_steps, weight_tokens,
                                                     key))
+    member = st.members[push.learner_id]
     if check.norm > 0:  # a push that moved nothing (e.g. a first step at lr 0) says nothing of the scale
       fragment.norms.append(check.norm)
       fragment.norm_steps.append(push.steps)
-    member = st.members[push.learner_id]
+      member.norms.setdefault(p, collections.deque(maxlen=admission.learner_window(s))).append(check.norm)
     member.progress_at, member.stall_counted, member.last_push = now, False, now  # it stepped to get here
+    member.refused_in_row = 0
     member.period_weights[p] = float(outer.raw_weights([weight_tokens], [weight_steps], s.merge_rule)[0])
     st.counters["bytes_in"] += len(push.payload)
     st.counters["contributions_late"] += int(late)
@@ -144,10 +159,8 @@ class Machine:
     # The open round publishes the next version: that one merges this push.
     receipt = PushReceipt(fragment=p, round=fragment.rounds, late=late, epoch=st.epoch, version=fragment.version + 1)
     if key is not None:
-      keys = st.keys.setdefault(push.learner_id, collections.OrderedDict())
-      keys[key] = KeyRecord(push.checksum, receipt)
-      while len(keys) > admission.KEYS_PER_LEARNER:
-        keys.popitem(last=False)
+      admission.remember_key(st.keys.setdefault(push.learner_id, collections.OrderedDict()),
+                             st.key_floors.setdefault(push.learner_id, {}), key, KeyRecord(push.checksum, receipt))
     self._changed(False)
     self.tick()
     return receipt

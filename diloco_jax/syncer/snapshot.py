@@ -1,7 +1,8 @@
 """The syncer state as a checkpoint holds it (`state_dict`), and back (`restore`).
 
 A checkpoint holds the global fragments, their Nesterov momenta (and an open cycle of partial rounds),
-versions, rounds, t_sync, counters, the lifetime history, the idempotency keys of settled pushes, and with
+versions, rounds, t_sync, counters, the lifetime history, the idempotency keys of settled pushes (and the
+sequence below which each learner process's keys are refused), and with
 a delta downlink its references and latest deltas. Not held: membership (learners rejoin) and open rounds
 (a restore drops them; a stopping syncer closes them first; their learners push that work again). Another
 shard's fragments are `None` (orbax saves no zero-size array).
@@ -46,6 +47,9 @@ def state_dict(state: SyncerState, downlink: Downlink, settings) -> dict:
       "push_keys": [[i, *key, r.checksum, r.receipt.fragment, r.receipt.round, r.receipt.late, r.receipt.epoch,
                      r.receipt.version]
                     for i, keys in sorted(state.keys.items()) for key, r in keys.items() if r.settled],
+      # [learner, incarnation, the highest sequence whose key was dropped]: older keys stay refused
+      "push_key_floors": [[i, incarnation, floor] for i, floors in sorted(state.key_floors.items())
+                          for incarnation, floor in floors.items()],
       **refs,
   }
 
@@ -90,6 +94,8 @@ def restore(saved: dict, settings, epoch: int, started: float) -> tuple[SyncerSt
                               threads=s.merge_threads, history=s.downlink_history)
   state = SyncerState(fragments, recovery.restored_history(saved.get("history"), epoch, versions, rounds),
                       started, counters=merge_counters(n, saved["counters"]), keys=_keys(saved))
+  for i, incarnation, floor in saved.get("push_key_floors", []):  # older checkpoints: none
+    state.key_floors.setdefault(int(i), {})[int(incarnation)] = int(floor)
   return state, downlink
 
 

@@ -19,7 +19,7 @@ from diloco_jax.outer import codec as codec_lib
 from diloco_jax.protocol.messages import EpochRecord, PushReceipt
 from diloco_jax.protocol.reasons import REASONS
 
-NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment (the outlier reference is their median)
+NORM_HISTORY = 16  # accepted outer-gradient norms kept per fragment, and per learner and fragment
 MAX_DECISIONS = 10_000  # decision records kept until the shell drains them (the oldest are dropped beyond)
 # Counters that describe the global model: restored with it from a checkpoint. Every other counter is a
 # running total of events, kept across restarts by the journal.
@@ -46,6 +46,10 @@ class Member:
   steps_merged: int = 0
   # Per fragment, the merge rule's raw weight of its latest push (capped claims): one period of its work.
   period_weights: dict[int, float] = dataclasses.field(default_factory=dict)
+  # Per fragment, its own recent accepted norms (clipped): its entry in the outlier reference.
+  norms: dict[int, collections.deque] = dataclasses.field(default_factory=dict)
+  refused_in_row: int = 0  # its pushes refused for merge safety since its last accepted one
+  refused_total: int = 0  # its pushes refused for merge safety, in all
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,6 +148,8 @@ class SyncerState:
   started: float
   members: dict[int, Member] = dataclasses.field(default_factory=dict)
   keys: dict[int, collections.OrderedDict] = dataclasses.field(default_factory=dict)  # learner -> key -> record
+  # learner -> incarnation -> the highest sequence whose key was dropped (older keys are refused)
+  key_floors: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
   counters: dict[str, Any] = dataclasses.field(default_factory=dict)
   since_start: SinceStart = dataclasses.field(default_factory=SinceStart)
   decisions: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=MAX_DECISIONS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from diloco_jax.syncer.rules import membership
+from diloco_jax.syncer.rules import admission, membership
 from diloco_jax.syncer.rules.rounds import STATUS_IDS
 from diloco_jax.syncer.state import SyncerState
 
@@ -58,6 +58,7 @@ def status(state: SyncerState, settings, now: float) -> dict:
       "step_time_s": membership.step_time(members, now, stall_s),
       "t_sync_s": [f.t_sync for f in state.fragments],
       "history": [dataclasses.asdict(h) for h in state.history[-8:]],
+      "refused_repeatedly": admission.refused_repeatedly(members)[:STATUS_IDS],
       "counters": copy.deepcopy(state.counters),
   }
 
@@ -68,4 +69,5 @@ def _member(m, now: float, stall_s: float, num_owned: int) -> dict:
           "step_ago_s": None if m.step_at is None else now - m.step_at, "blocked": m.blocked,
           "progressing": membership.progressing(m, now, stall_s),
           "last_push_ago_s": None if m.last_push is None else now - m.last_push,
-          "steps_merged": m.steps_merged / num_owned}
+          "steps_merged": m.steps_merged / num_owned, "refused_in_row": m.refused_in_row,
+          "refused_total": m.refused_total}

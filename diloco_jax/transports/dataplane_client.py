@@ -7,7 +7,10 @@ and paced by the WAN emulation like gRPC chunks (`traffic.Traffic`). A push carr
 idempotency key included. A refusal raises `errors.CallFailed` (retried or translated by `retry.py`, as
 gRPC's failures are). A broken transfer (refused connection, reset, timeout, an unreadable reply) returns
 `FELL_BACK` after logging: the same attempt goes over gRPC, and gRPC carries the payloads until the next
-Join offers the data plane again (`port` is 0 meanwhile). `close()` ends the transfers in flight.
+Join offers the data plane again (`port` is 0 meanwhile). So does a data plane that refuses as busy or
+over its rate (its slots may be held by another holder of the token: gRPC's are this connection's), or
+that stalls: the connection, TLS and hello must come within `HANDSHAKE_S`. `close()` ends the transfers
+in flight.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from google.protobuf.message import DecodeError
 from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.chunking import BufferPool, ProtocolError
 from diloco_jax.protocol.messages import Published, PushReceipt
-from diloco_jax.protocol.reasons import shorten, status_of
+from diloco_jax.protocol.reasons import Reason, shorten, status_of
 from diloco_jax.transports.errors import CallFailed, LinkDown, SyncerError, SyncerUnreachable
 from diloco_jax.transports.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
 FELL_BACK = object()  # a data-plane transfer that failed: the attempt goes over gRPC
+HANDSHAKE_S = 10.0  # the connection, TLS handshake and hello must come within this (at most the call timeout)
+FALL_BACK_REASONS = (Reason.BUSY, Reason.RATE_LIMIT)  # data-plane refusals that send the attempt over gRPC
 
 
 class DataPlaneClient:
@@ -70,9 +75,8 @@ class DataPlaneClient:
     return self._transfer("pull", wire.OP_PULL, request, None, wait_s)
 
   def _connect(self):
-    raw = socket.create_connection((self.host, self.port), timeout=min(self.call_timeout_s, 10.0))
+    raw = socket.create_connection((self.host, self.port), timeout=min(self.call_timeout_s, HANDSHAKE_S))
     try:
-      raw.settimeout(self.call_timeout_s)
       raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       return self._ssl.wrap_socket(raw, server_hostname=self._server_name) if self._ssl is not None else raw
     except BaseException:
@@ -89,6 +93,7 @@ class DataPlaneClient:
       if self._closed.is_set():  # closed meanwhile: `close` may have missed this socket
         raise OSError("the transport was closed")
       nonce = wire.parse_hello(self._recv(sock, wire.HELLO_BYTES))
+      sock.settimeout(self.call_timeout_s)
       self._send(sock, wire.request(self._token, nonce, op, header.SerializeToString()))
       if op == wire.OP_PUSH:
         wire.send_payload(sock, payload, lambda n: self._traffic.sent(n, first=False))
@@ -101,6 +106,12 @@ class DataPlaneClient:
       return pulled
     except LinkDown:  # the emulated link is down on either plane: retried
       raise
+    except CallFailed as e:
+      if e.reason not in FALL_BACK_REASONS or self._closed.is_set():
+        raise
+      log.warning("%s: data plane to %s:%d refused (%s); using gRPC", name, self.host, port, e.reason)
+      self.port = 0
+      return FELL_BACK
     except (OSError, wire.WireError, ssl.SSLError, ProtocolError, DecodeError) as e:
       if self._closed.is_set():
         raise SyncerUnreachable(f"{name}: the connection to {self.target} was closed") from None

@@ -54,7 +54,8 @@ def joined(old: Member | None, now: float, lease_s: float) -> Member:
     return Member(lease_until=now + lease_s, progress_at=now, step=None)
   return Member(lease_until=now + lease_s, progress_at=now, step_time_s=old.step_time_s, step=old.step,
                 step_at=old.step_at, last_push=old.last_push, steps_merged=old.steps_merged,
-                period_weights=old.period_weights)
+                period_weights=old.period_weights, norms=old.norms, refused_in_row=old.refused_in_row,
+                refused_total=old.refused_total)
 
 
 def heartbeat_problem(m: Member | None, learner_id: int) -> tuple[str, str] | None:
@@ -69,11 +70,12 @@ def heartbeat_problem(m: Member | None, learner_id: int) -> tuple[str, str] | No
 
 def renewed(m: Member, now: float, lease_s: float, step_time_s: float, step: int | None,
             blocked: bool) -> Member:
-  """The member after a heartbeat: lease renewed; `step_time_s` > 0 updates its step time; a moved step
-  counter (or no counter at all, or `blocked`) is progress."""
+  """The member after a heartbeat: lease renewed; `step_time_s` > 0 updates its step time, at most the
+  lease (a larger claim would keep a stopped learner counted for as long: it counts as a lease); a moved
+  step counter (or no counter at all, or `blocked`) is progress."""
   out = dataclasses.replace(m, lease_until=now + lease_s, expiry_counted=False, blocked=bool(blocked))
   if step_time_s > 0:
-    out.step_time_s = float(step_time_s)
+    out.step_time_s = min(float(step_time_s), lease_s)
   if step is None or step != m.step or blocked:
     out.progress_at, out.stall_counted = now, False
   if step is not None:

@@ -7,7 +7,8 @@ fragment's close time) and closes at that deadline, or early once every counted 
 round that waits only on learners blocked on other such rounds is a deadlock (`deadlocked`): after
 `stall_s` it closes with what it holds. Closing weighs each push by `outer.merge_coefficients`: its raw
 weight over W, the raw weight of one period of every learner the round answers for (with
-`scale_partial_rounds` every counted learner), discounted by staleness (rounds closed since its base).
+`scale_partial_rounds` every counted learner), discounted by staleness (rounds closed since its base). A
+learner's pushes in one round weigh together at most its largest one (`per_learner_capped`): one period.
 """
 
 from __future__ import annotations
@@ -132,11 +133,35 @@ class Weights:
   share: float  # of a full round's work, before the staleness discount
 
 
+def per_learner_capped(raw: np.ndarray, learner_ids: Sequence[int]) -> np.ndarray:
+  """Raw weights with each learner's pushes scaled so that together they weigh at most its largest push
+  (itself at most one period): copies of one period, under any keys, never add up to more than one."""
+  out = np.asarray(raw, np.float64).copy()
+  ids = np.asarray(learner_ids)
+  for i in set(learner_ids):
+    mine = ids == i
+    total = float(out[mine].sum())
+    largest = float(out[mine].max())
+    if total > largest > 0:
+      out[mine] *= largest / total
+  return out
+
+
+def capped_tokens(contributions) -> int:
+  """The tokens a round's pushes add to `tokens_merged`: each learner's largest claim in the round."""
+  most: dict[int, int] = {}
+  for c in contributions:
+    most[c.learner_id] = max(most.get(c.learner_id, 0), int(c.tokens))
+  return sum(most.values())
+
+
 def round_weights(rnd: Round, p: int, fragment: FragmentState, settings, members: Mapping[int, Member],
                   counted: Sequence[int]) -> Weights:
   """The coefficients `outer.merge_coefficients` gives the round's pushes."""
   cs = rnd.contributions
-  raw = outer.raw_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], settings.merge_rule)
+  raw = per_learner_capped(
+      outer.raw_weights([c.weight_tokens for c in cs], [c.weight_steps for c in cs], settings.merge_rule),
+      [c.learner_id for c in cs])
   period, answered = period_weight(rnd, p, members, counted, settings.scale_partial_rounds)
   stale = tuple(staleness(fragment, c.base_version) for c in cs)
   coefficients = outer.merge_coefficients(raw, period, answered, stale, settings.staleness_beta)
@@ -158,7 +183,7 @@ def next_deadline(fragments: Sequence[FragmentState], members: Mapping[int, Memb
 
 
 def decision_record(fragment: int, version: int, rnd: Round, closed: float, why: str, counted: Sequence[int],
-                    weights: Weights, t_sync_s: float) -> dict:
+                    weights: Weights, t_sync_s: float, refused_repeatedly: Sequence[int] = ()) -> dict:
   """What a round decided, as plain JSON values (times in seconds from the round's opening).
 
   `contributions`: one entry per push in arrival order (learner, base version, staleness, steps, tokens,
@@ -166,7 +191,8 @@ def decision_record(fragment: int, version: int, rnd: Round, closed: float, why:
   `waited_for`: the counted learners not yet in at the quorum, `arrived_in_grace`: those that made it;
   `open_s`; `close`: "all_in", "deadline", "deadlock" or "stop"; `period_weight` and `answered_for`: W and
   the learners it sums over; `share`: the share of a full round the round held (before the discount);
-  `moved`: the sum of the coefficients.
+  `moved`: the sum of the coefficients; `refused_repeatedly`: the learners whose latest pushes were all
+  refused for merge safety (`admission.refused_repeatedly`).
   """
   first = rnd.first_arrivals()
   quorum_at = rnd.quorum_at if rnd.quorum_at is not None else rnd.opened
@@ -183,4 +209,5 @@ def decision_record(fragment: int, version: int, rnd: Round, closed: float, why:
       "open_s": closed - rnd.opened, "merge_s": t_sync_s,
       "period_weight": float(weights.period_weight), "answered_for": weights.answered, "share": weights.share,
       "moved": float(np.sum(weights.coefficients)),
+      "refused_repeatedly": list(refused_repeatedly)[:STATUS_IDS],
   }

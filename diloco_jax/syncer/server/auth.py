@@ -11,6 +11,7 @@ Per-caller call rates are limited by the service's gate (`gate.py`) with `rateli
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -72,6 +73,23 @@ class AuthInterceptor(grpc.ServerInterceptor):
     if handler.response_streaming:
       return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+TOKEN_IDENTITY = "token"  # the identity of a caller that proved only the run token (no client certificate)
+
+
+def identity_of(certificate: bytes | None) -> str:
+  """A caller's authenticated identity: the digest of its client certificate (mutual TLS, DER or PEM bytes),
+  else the run token's holder. Rate limits and slots are keyed by it (`gate.py`)."""
+  if not certificate:
+    return TOKEN_IDENTITY
+  return "cert:" + hashlib.sha256(certificate).hexdigest()[:32]
+
+
+def grpc_identity(context) -> str:
+  """`identity_of` the client certificate a gRPC call's connection presented."""
+  certs = context.auth_context().get("x509_pem_cert") or ()
+  return identity_of(certs[0] if certs else None)
 
 
 def is_loopback(bind: str) -> bool:

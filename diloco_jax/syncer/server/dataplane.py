@@ -7,8 +7,10 @@ idempotency key included, so a push retried over gRPC after its data-plane reply
 The core's and the gate's refusals travel back with their reason.
 
 What this shell adds is the care a listening socket needs: the run token proven per connection, TLS when
-the service has it, a bounded number of connections, a timeout on every read and a deadline per transfer,
-bounded headers and payload memory that grows only with what arrived (`DataPlaneServer`).
+the service has it, a bounded number of connections (per peer address too, before authentication),
+deadlines from the first byte (the handshake and header, then the transfer) enforced by shutting the
+socket whatever the peer trickles, bounded headers and payload memory that grows only with what arrived
+(`DataPlaneServer`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from google.protobuf.message import DecodeError
 
 from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.chunking import BufferPool
-from diloco_jax.protocol.messages import Published, PullCall
+from diloco_jax.protocol.messages import OBSERVER_ID, Published, PullCall
 from diloco_jax.protocol.reasons import Reason, Rejected
+from diloco_jax.syncer.server.auth import identity_of
 from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy, Slots
 
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class DataPlaneLimits:
   max_connections: int = 64
+  per_address: int = 32  # connections from one peer address at once, counted before authentication
+  handshake_timeout_s: float = 5.0  # from accept to a read request header: TLS, hello, token proof, header
   pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`chunking.BufferPool`)
   io_timeout_s: float = 10.0  # one read or write (the service's stream_stall_s)
   transfer_timeout_s: float = 600.0  # one whole transfer, a pull's long-poll not counted (stream_deadline_s)
@@ -54,18 +59,23 @@ class DataPlaneServer:
   """Listens on `host:port` (0: any free port) and serves transfers through `gate`. `push_slots`,
   `pull_slots`: this plane's transfers in flight.
 
-  Callers. Each transfer has a connection of its own, so a caller here is (the peer's host, the learner id
-  its header claims): rate limits and slots are keyed by it (a flood from another host under a victim's id
-  spends its own budget), with slots of this plane's own (`slots.Slots`: at most `Limits.pushes_per_caller`
-  pushes and `Limits.pulls_per_caller` pulls in flight per caller; its threads are bounded by
-  `max_connections`). The gate's limits: the largest push, the long-poll cap, the call rate per caller;
-  observers (learner id `messages.OBSERVER_ID`) may pull.
+  Callers. Each transfer has a connection of its own, so a caller's source here is (its authenticated
+  identity, `auth.identity_of`: the client certificate under mutual TLS, else the token; the peer's host;
+  the learner id its header claims, ids outside the run refused by the gate first): rate limits and slots
+  are keyed by it, with slots of this plane's own (`slots.Slots`: at most `Limits.pushes_per_caller` pushes
+  and `Limits.pulls_per_caller` pulls in flight per source; its threads are bounded by `max_connections`).
+  A token holder on a learner's host may take that learner's slots here (without per-learner certificates
+  nothing tells them apart): the learner's client then falls back to gRPC, whose slots are its
+  connection's. The gate's limits: the largest push, the long-poll cap, the call rate; observers (learner
+  id `messages.OBSERVER_ID`) may pull.
 
   Socket care: the run token proven per connection (HMAC of a fresh nonce, constant-time compare); TLS
   when the service has it (the same certificate, and client certificates with mutual TLS); at most
-  `max_connections` connections at once (more are closed at once); a timeout on every read (`io_timeout_s`:
-  the service's `stream_stall_s`) and a deadline per transfer (`transfer_timeout_s`: its
-  `stream_deadline_s`, a pull's long-poll not counted), so slow senders cannot hold a thread; a pull's
+  `max_connections` connections at once and `per_address` from one address (more are closed at once); a
+  timeout on every read (`io_timeout_s`: the service's `stream_stall_s`), a deadline from accept to the
+  request header (`handshake_timeout_s`) and one per transfer (`transfer_timeout_s`: its
+  `stream_deadline_s`, a pull's long-poll not counted), enforced by the accept loop shutting the socket, so
+  a peer trickling a byte at a time cannot hold a thread past them; a pull's
   long-poll ends when its client closes the connection; bounded headers, declared sizes checked before a
   byte is read, and payload memory that grows only with what arrived."""
 
@@ -94,6 +104,9 @@ class DataPlaneServer:
     self.push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
     self.pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
     self._pool = BufferPool(limits.pool_bytes)
+    self._deadlines: dict[socket.socket, float] = {}  # connection -> when the accept loop shuts it
+    self._per_address: dict[str, int] = {}
+    self._conn_lock = threading.Lock()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="syncer-data-plane")
     self._thread.start()
@@ -105,40 +118,88 @@ class DataPlaneServer:
 
   def _accept_loop(self) -> None:
     while not self._stop.is_set():
+      self._reap()
       try:
-        conn, _ = self._sock.accept()
+        conn, peer = self._sock.accept()
       except TimeoutError:
         continue
       except OSError:
         if self._stop.is_set():
           return
         continue
+      host = peer[0]
       if not self._slots.acquire(blocking=False):
         self.gate.count("data_refused_busy")
         conn.close()
         continue
-      threading.Thread(target=self._serve, args=(conn,), daemon=True, name="syncer-data").start()
+      if not self._enter(host):
+        self._slots.release()
+        self.gate.count("data_refused_address")
+        conn.close()
+        continue
+      self._arm(conn, time.monotonic() + self.limits.handshake_timeout_s)
+      threading.Thread(target=self._serve, args=(conn, host), daemon=True, name="syncer-data").start()
 
-  def _serve(self, conn: socket.socket) -> None:
+  def _enter(self, host: str) -> bool:
+    with self._conn_lock:
+      if self._per_address.get(host, 0) >= self.limits.per_address:
+        return False
+      self._per_address[host] = self._per_address.get(host, 0) + 1
+      return True
+
+  def _leave(self, conn, host: str) -> None:
+    with self._conn_lock:
+      self._deadlines.pop(conn, None)
+      left = self._per_address.pop(host, 1) - 1
+      if left > 0:
+        self._per_address[host] = left
+
+  def _arm(self, conn, deadline: float | None) -> None:
+    """Shut `conn` at `deadline` (monotonic; None: no deadline, while a pull long-polls)."""
+    with self._conn_lock:
+      if deadline is None:
+        self._deadlines.pop(conn, None)
+      else:
+        self._deadlines[conn] = deadline
+
+  def _reap(self) -> None:
+    """Shut the connections past their deadline: their blocked reads and writes end at once."""
+    now = time.monotonic()
+    with self._conn_lock:
+      due = [conn for conn, deadline in self._deadlines.items() if now >= deadline]
+      for conn in due:
+        del self._deadlines[conn]
+    for conn in due:
+      self.gate.count("data_deadline_cut")
+      try:
+        conn.shutdown(socket.SHUT_RDWR)
+      except OSError:  # closed by its thread meanwhile
+        pass
+
+  def _serve(self, raw: socket.socket, host: str) -> None:
+    conn = raw
     try:
-      conn.settimeout(self.limits.io_timeout_s)
-      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      host = conn.getpeername()[0]
+      raw.settimeout(self.limits.io_timeout_s)
+      raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       if self._ssl is not None:
-        conn = self._ssl.wrap_socket(conn, server_side=True)
-      self._transfer(conn, host, time.monotonic() + self.limits.transfer_timeout_s)
+        conn = self._ssl.wrap_socket(raw, server_side=True)
+      identity = identity_of(conn.getpeercert(binary_form=True) if self._ssl is not None else None)
+      self._transfer(conn, (identity, host), lambda deadline: self._arm(raw, deadline))
     except (OSError, wire.WireError, ssl.SSLError) as e:  # a peer that went away or broke the framing
       log.info("data plane: connection dropped: %s", e)
       self.gate.count("data_dropped")
     except Exception:  # noqa: BLE001 - a bug must not take the listener down
       log.exception("data plane: transfer failed")
     finally:
+      self._leave(raw, host)
       try:
         conn.close()
       finally:
         self._slots.release()
 
-  def _transfer(self, conn, host: str, deadline: float) -> None:
+  def _transfer(self, conn, peer: tuple[str, str], arm) -> None:
+    """One transfer: hello, token proof and header within the handshake deadline (armed at accept), then
+    the push or pull within `transfer_timeout_s` (`arm(deadline)` moves the shut-down time)."""
     nonce = secrets.token_bytes(wire.NONCE_BYTES)
     conn.sendall(wire.hello(nonce))
     head = wire.recv_exact(conn, wire.MAC_BYTES + 1 + 4, "request")
@@ -151,11 +212,13 @@ class DataPlaneServer:
       conn.sendall(wire.refusal(Reason.PROTOCOL, f"bad request: op {op!r}, header of {length} bytes"))
       return
     header = wire.recv_exact(conn, length, "request header")
+    deadline = time.monotonic() + self.limits.transfer_timeout_s
+    arm(deadline)
     try:
       if op == wire.OP_PUSH:
-        self._push(conn, host, header, deadline)
+        self._push(conn, peer, header, deadline)
       else:
-        self._pull(conn, host, header, deadline)
+        self._pull(conn, peer, header, deadline, arm)
     except Rejected as e:
       conn.sendall(wire.refusal(e.reason, e.message))
     except Busy as e:
@@ -168,36 +231,47 @@ class DataPlaneServer:
       self.gate.count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
 
-  def _push(self, conn, host: str, header: bytes, deadline: float) -> None:
+  def _caller(self, peer: tuple[str, str], learner_id) -> tuple[tuple, object]:
+    """(source, claimed id): the identity, the peer host and the id if the run may have it or it is the
+    observer's (else all ids outside the run share one source, refused by the gate after spending its
+    rate)."""
+    identity, host = peer
+    valid = self.gate.valid_id(learner_id) or learner_id == OBSERVER_ID
+    return (identity, f"data:{host}", learner_id if valid else "invalid"), learner_id
+
+  def _push(self, conn, peer: tuple[str, str], header: bytes, deadline: float) -> None:
     h = convert.parse_push_header(header)
-    caller = (f"data:{host}", h.learner_id)
+    caller = self._caller(peer, h.learner_id)
     total = int(h.total_size)
-    self.gate.check_push(caller, total, where=f"from {caller[0]}")
-    self.push_slots.acquire(caller)
+    self.gate.check_push(caller, total, where=f"from {caller[0][1]}")
+    self.push_slots.acquire(caller[0])
     try:
       payload = wire.recv_payload(conn, total, "push payload", lambda n: _check_deadline(deadline), self._pool)
       receipt = self.gate.push(convert.push_from(h, payload))
     finally:
-      self.push_slots.release(caller)
+      self.push_slots.release(caller[0])
     self.gate.count("data_pushes")
     conn.sendall(wire.reply(wire.OK, convert.receipt_response(receipt).SerializeToString()))
 
-  def _pull(self, conn, host: str, header: bytes, deadline: float) -> None:
+  def _pull(self, conn, peer: tuple[str, str], header: bytes, deadline: float, arm) -> None:
     call = convert.parse_pull_call(header)
-    caller = (f"data:{host}", call.learner_id)
-    timeout = self.gate.open_pull(caller, call, where=f"from {caller[0]}")
-    self.pull_slots.acquire(caller)
+    caller = self._caller(peer, call.learner_id)
+    timeout = self.gate.open_pull(caller, call, where=f"from {caller[0][1]}")
+    self.pull_slots.acquire(caller[0])
     try:
       # The core's answer within `timeout`, waited for in slices: a client that closed its connection
-      # frees this thread within `pull_poll_s`.
+      # frees this thread within `pull_poll_s`. The long-poll is not the transfer's time.
       give_up = time.monotonic() + timeout
       published = self.gate.pull(call)
       if published is None:
+        arm(None)
         published = self.gate.long_poll(call, give_up, self.limits.pull_poll_s, lambda: _gone(conn))
+        deadline = time.monotonic() + self.limits.transfer_timeout_s
+        arm(deadline)
       if published is not None or not _gone(conn):
         self._answer(conn, call, published, deadline)
     finally:
-      self.pull_slots.release(caller)
+      self.pull_slots.release(caller[0])
 
   def _answer(self, conn, call: PullCall, published: Published | None, deadline: float) -> None:
     if published is None:
@@ -207,7 +281,6 @@ class DataPlaneServer:
     self.gate.pulled(published)
     self.gate.count("data_pulls")
     conn.sendall(wire.reply(wire.OK, convert.pull_header(published).SerializeToString()))
-    deadline = max(deadline, time.monotonic() + self.limits.transfer_timeout_s)  # the long-poll is not sending
     wire.send_payload(conn, published.payload, lambda n: _check_deadline(deadline))
 
 

@@ -7,11 +7,11 @@ one, a Pull, Heartbeat or Leave of another run (with `fingerprint`), a malformed
 (`GateRefusal`, whose `Reason` names the status code) and never reach, so never change, the core; the core's
 own refusals (`protocol.Rejected`) pass through. It keeps the service's counters (`status()["server"]`).
 
-Callers. A caller is (where the call came from, the learner id it claims): the gRPC connection's peer
-address, or the data plane's peer host. Rate limits and slots are keyed by it, so a flood under a
-victim's learner id from another connection spends its own budget, never the victim's. The TLS identity is
-not used: learners usually share one client certificate, so it would not tell a victim from an attacker.
-The gate holds the gRPC front-end's long-call slots (`push_slots`, `pull_slots`); the data plane has its own.
+Callers: (source, claimed id). The source is what the transport and authentication say, never the request:
+the identity (`auth.identity_of`) with the gRPC connection's peer, or with the data plane's peer host and a
+valid id. Rate limits and slots are keyed by it: other ids claimed on one connection spend one budget, a
+flood from another connection spends its own. Ids outside the run are refused here, after their call was
+counted against the source, without reaching the core (docs/operations.md, "Identity").
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class SyncerGate:
     self.push_slots = Slots("pushes", max_workers // 4, limits.pushes_per_caller)
     self.pull_slots = Slots("pulls", max_workers // 2, limits.pulls_per_caller)
     self._rate = RateLimiter(limits.rate_per_s, limits.rate_burst)
+    settings = getattr(core, "settings", None)  # ids are checked here when the core says how many there are
+    self.num_learners: int | None = getattr(settings, "num_learners", None)
     self._counters: dict[str, int] = {}
     self._lock = threading.Lock()
 
@@ -85,10 +87,22 @@ class SyncerGate:
 
   # ---- checks ----
 
-  def admit(self, caller: tuple[str, Any], where: str = CONNECTION) -> None:
-    """Spend one call of `caller`'s rate, or refuse ("rate_limit"); `where` says where it calls from."""
-    if not self._rate.allow(caller):
+  def admit(self, caller: tuple[Any, Any], where: str = CONNECTION) -> None:
+    """Spend one call of the caller's source's rate, or refuse ("rate_limit"); `where` says where it calls
+    from."""
+    if not self._rate.allow(caller[0]):
       raise GateRefusal(Reason.RATE_LIMIT, f"learner {caller[1]} {where} exceeds {self.limits.rate_per_s:g} calls/s")
+
+  def valid_id(self, learner_id) -> bool:
+    """Whether `learner_id` may be one of this run's learners (always, when the core did not say how many)."""
+    return self.num_learners is None or (isinstance(learner_id, int) and 0 <= learner_id < self.num_learners)
+
+  def check_id(self, learner_id) -> None:
+    """Refuse ("learner_id") an id outside [0, learners.num): the core never sees it (no lock, no write)."""
+    if not self.valid_id(learner_id):
+      self.count("ids_refused")
+      raise GateRefusal(Reason.LEARNER_ID, f"rejected (learner_id): learner id {shorten(learner_id)} is not one "
+                        f"of this run's learners [0, learners.num={self.num_learners})")
 
   def check_fingerprint(self, fingerprint: str) -> None:
     """Refuse ("fingerprint") a call of another run, when the service knows the run's fingerprint."""
@@ -100,18 +114,21 @@ class SyncerGate:
 
   def join(self, caller, learner_id: int, fingerprint: str) -> Versions:
     self.admit(caller)
+    self.check_id(learner_id)
     versions = self.core.join(learner_id, fingerprint)
     self.count("joins")
     return versions
 
   def leave(self, caller, learner_id: int, fingerprint: str) -> None:
     self.admit(caller)
+    self.check_id(learner_id)
     self.check_fingerprint(fingerprint)
     self.core.leave(learner_id)
 
   def heartbeat(self, caller, call: HeartbeatCall) -> int:
     """Renew a lease; the step time must be finite and >= 0, the step in [0, MAX_STEP). The core's epoch."""
     self.admit(caller)
+    self.check_id(call.learner_id)
     self.check_fingerprint(call.fingerprint)
     step_time = call.step_time_s
     if not (step_time >= 0 and step_time < math.inf):  # also refuses NaN
@@ -121,9 +138,15 @@ class SyncerGate:
     return self.core.heartbeat(call.learner_id, step_time, step=call.step, blocked=call.blocked)
 
   def status(self, caller) -> dict:
-    """The core's status, with the service's counters and the gRPC long calls in flight as `server`."""
+    """The core's status, with the service's counters and the gRPC long calls in flight as `server`; the ids
+    the gate refused count in `counters.rejected.learner_id` with the core's own."""
     self.admit(caller)
     status = dict(self.core.status())
+    refused = self.counters().get("ids_refused", 0)
+    if refused:  # the ids this gate refused count with the core's own, as if the core had refused them
+      counters = status["counters"] = dict(status["counters"])
+      rejected = counters["rejected"] = dict(counters["rejected"])
+      rejected[Reason.LEARNER_ID] = rejected.get(Reason.LEARNER_ID, 0) + refused
     status["server"] = {**self.counters(), "pushes_in_flight": self.push_slots.in_use,
                         "pulls_in_flight": self.pull_slots.in_use}
     return status
@@ -133,6 +156,7 @@ class SyncerGate:
   def check_push(self, caller, total_size: int, where: str = CONNECTION) -> None:
     """Admit a push's header: the caller's rate, and a declared payload no larger than a valid push's."""
     self.admit(caller, where)
+    self.check_id(caller[1])
     if total_size > self.max_push_bytes:
       raise GateRefusal(Reason.OVERSIZE, f"declared payload of {total_size} bytes exceeds the limit of "
                         f"{self.max_push_bytes}")
@@ -152,7 +176,9 @@ class SyncerGate:
     self.admit(caller, where)
     self.check_fingerprint(call.fingerprint)
     if call.learner_id != OBSERVER_ID:  # observers (the global model's evaluator) pull, never join
-      self.core.check_learner_id(call.learner_id)
+      self.check_id(call.learner_id)
+      if self.num_learners is None:
+        self.core.check_learner_id(call.learner_id)
     timeout = call.timeout_s
     if not (timeout >= 0 and timeout < math.inf):
       raise GateRefusal(Reason.PROTOCOL, f"timeout_s must be finite and >= 0, got {timeout}")

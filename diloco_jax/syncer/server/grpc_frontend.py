@@ -27,14 +27,16 @@ from diloco_jax.protocol import convert
 from diloco_jax.protocol.chunking import ProtocolError, Reassembler
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
 from diloco_jax.protocol.reasons import REASON_METADATA_KEY, Reason, Rejected, shorten, status_of
+from diloco_jax.syncer.server.auth import grpc_identity
 from diloco_jax.syncer.server.gate import GateRefusal, SyncerGate
 from diloco_jax.syncer.server.slots import Busy
 from diloco_jax.syncer.server.watch import Stream, StreamWatch
 
 log = logging.getLogger(__name__)
 
-# Refusals that a busy or flooded server answers many times a second: counted, logged at debug level only.
-_QUIET_REASONS = (Reason.RATE_LIMIT, Reason.BUSY)
+# Refusals that a busy or flooded server answers many times a second: counted, logged at debug level only
+# (a learner refused again and again for merge safety is logged once by the core, `admission.REPEATED_REFUSALS`).
+_QUIET_REASONS = (Reason.RATE_LIMIT, Reason.BUSY, Reason.ROUND_SHARE, Reason.LEARNER_ID)
 
 
 def _refusal(e: Exception) -> tuple[str, str, str] | None:
@@ -107,9 +109,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
   @staticmethod
   def _caller(context, learner_id):
-    """Who is calling: the connection's peer address (set by the transport, not the request) and the
-    learner id the request claims."""
-    return context.peer(), learner_id
+    """Who is calling: its source, the authenticated identity and the connection's peer address (set by
+    the transport and the authentication, not the request), and the learner id the request claims."""
+    return (grpc_identity(context), context.peer()), learner_id
 
   @_rpc()
   def Join(self, request, context):
@@ -134,7 +136,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
   def Push(self, request_iterator, context):
     # The slot is the connection's (its header, with the claimed id, has not arrived yet): a stream
     # that stalls before its header holds a slot too, never a thread beyond the push quota.
-    connection = self._caller(context, "push")
+    connection = self._caller(context, "push")[0]
     self.gate.push_slots.acquire(connection)
     stream = self._watch.watch(context)
     try:
@@ -176,7 +178,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     if published is None and timeout <= 0:
       return convert.not_found_chunks(call.fragment, self.gate.epoch)
     # The slot is held through the long-poll wait and the chunk stream (released when the stream ends).
-    self.gate.pull_slots.acquire(caller)
+    self.gate.pull_slots.acquire(caller[0])
     stream = self._watch.watch(context)
     try:
       stream.waiting = True
@@ -186,22 +188,22 @@ class SyncerServicer(pb_grpc.SyncerServicer):
       stream.restart()
     except BaseException:
       self._watch.done(stream)
-      self.gate.pull_slots.release(caller)
+      self.gate.pull_slots.release(caller[0])
       raise
     if published is None:
       answer = convert.not_found_chunks(call.fragment, self.gate.epoch)
     else:
       self.gate.pulled(published)
       answer = self._pull_chunks(published, stream)
-    return self._released(answer, stream, caller)
+    return self._released(answer, stream, caller[0])
 
-  def _released(self, messages, stream: Stream, caller):
+  def _released(self, messages, stream: Stream, source):
     """Yield `messages`, then free the Pull's slot and watch (also when the client goes away)."""
     try:
       yield from messages
     finally:
       self._watch.done(stream)
-      self.gate.pull_slots.release(caller)
+      self.gate.pull_slots.release(source)
 
   def _pull_chunks(self, published, stream: Stream):
     for k, message in enumerate(convert.pull_chunks(published, self.gate.limits.chunk_bytes)):

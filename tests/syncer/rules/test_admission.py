@@ -1,6 +1,7 @@
 """Admission of a push (`syncer/rules/admission.py`) on a fake clock: no claim, norm, duplicate or stranger
 changes the global model, and what each hostile push gets back."""
 
+import collections
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def test_outliers_are_refused_against_the_fragment_history():
     push(c, i, unit * scale)
   assert c.status()["versions"] == [1]
   before = frozen(c)
-  with pytest.raises(Rejected, match=r"median of its last 4") as e:
+  with pytest.raises(Rejected, match=r"median of 4 live learners") as e:
     push(c, 0, unit * 10.6, base_version=1)  # > 10 x median(1.0, 1.2, 0.9, 1.1) = 10.5
   assert e.value.reason == "outlier" and frozen(c) == before
   push(c, 0, unit * 10.4, base_version=1)  # within the bound
@@ -146,7 +147,7 @@ def test_a_stale_push_is_compared_with_the_norms_of_its_base_version():
       push(c, i, unit * 0.05, base_version=v)
   assert c.status()["versions"] == [6]
   before = frozen(c)
-  with pytest.raises(Rejected, match="median of its last") as e:
+  with pytest.raises(Rejected, match="median of 4 live learners") as e:
     push(c, 0, unit * 5.0, base_version=6)  # 5 > 10 x median 0.05
   assert e.value.reason == "outlier" and frozen(c) == before
   push(c, 3, unit * 5.0, base_version=1)  # 5 <= 10 x 1.0, the reference when version 1 was published
@@ -200,11 +201,35 @@ def test_a_duplicate_push_gets_the_original_receipt_and_merges_once():
   assert c.push(helpers.make_push(0, a, core=c, steps=H, tokens=H * TPB, incarnation=77,
                                   sequence=1)) == first
   assert c.status()["versions"] == [1] and c.counters["contributions_merged"] == 2
-  # Memory is bounded: the last KEYS_PER_LEARNER keys of each learner.
-  for seq in range(2, 40):
-    c.push(helpers.make_push(2, small(seed=seq), core=c, steps=H, tokens=H * TPB, incarnation=5,
-                             sequence=seq, base_version=c.status()["versions"][0]))
-  assert len(c._machine.state.keys[2]) == admission.KEYS_PER_LEARNER
+
+
+def test_a_replayed_push_is_never_merged_again_and_key_memory_is_bounded():
+  # The issue's replay: a keyed push sent again after 16 newer pushes of its learner was merged again (a
+  # 16-key window). Now every key a learner may still retry is remembered, and an older key of the same
+  # process is refused; memory stays bounded (KEYS_PER_LEARNER keys, INCARNATIONS_PER_LEARNER floors).
+  c, _ = make_core(k=1)
+  first = helpers.make_push(0, small(seed=0), core=c, steps=H, tokens=H * TPB, incarnation=5, sequence=0)
+  c.push(first)
+  for seq in range(1, admission.KEYS_PER_LEARNER + 8):
+    c.push(helpers.make_push(0, small(seed=seq), core=c, steps=H, tokens=H * TPB, incarnation=5, sequence=seq,
+                             base_version=c.status()["versions"][0]))
+  state = c._machine.state
+  assert len(state.keys[0]) == admission.KEYS_PER_LEARNER and state.key_floors[0] == {5: 7}
+  before = frozen(c)
+  with pytest.raises(Rejected, match="older than the 256 keys remembered") as e:
+    c.push(first)
+  assert e.value.reason == "key_conflict" and frozen(c) == before
+  # A checkpoint keeps the floor: the replay stays refused after a restart.
+  restored, _ = make_core(k=1)
+  restored.load_state_dict(c.state_dict())
+  with pytest.raises(Rejected, match="older than"):
+    restored.push(first)
+  # Floors of at most INCARNATIONS_PER_LEARNER processes per learner.
+  keys, floors = collections.OrderedDict(), {}
+  for incarnation in range(1, 3 * admission.INCARNATIONS_PER_LEARNER):
+    for seq in range(admission.KEYS_PER_LEARNER // 64):
+      admission.remember_key(keys, floors, (incarnation, seq), None)
+  assert len(keys) == admission.KEYS_PER_LEARNER and len(floors) == admission.INCARNATIONS_PER_LEARNER
 
 
 def test_checkpoints_keep_the_keys_of_settled_contributions_only():
@@ -237,3 +262,100 @@ def test_learner_ids_outside_the_run_are_refused_everywhere(bad_id):
       call()
     assert e.value.reason == "learner_id"
   assert frozen(c) == before and c.counters["rejected"]["learner_id"] == len(calls)
+
+
+def test_copies_of_one_period_never_weigh_more_than_one_period():
+  # The issue's attack: 10 copies of one period (fresh keys, or none) took 91% of the merge weight, and 532
+  # copies into one K = M round a 266x step and 1.36M tokens. Now a learner has at most PUSHES_PER_ROUND
+  # pushes in a round, together weighing one period, and tokens_merged counts its largest claim once.
+  c, _ = make_core(k=4, scale_partial_rounds=False)
+  g0 = c.global_fragments()[0]
+  a = small(seed=1)
+  for seq in range(admission.PUSHES_PER_ROUND):
+    push(c, 0, a, incarnation=9, sequence=seq + 1)
+  before = frozen(c)
+  for seq in range(admission.PUSHES_PER_ROUND, 10):
+    with pytest.raises(Rejected, match="at most 2") as e:
+      push(c, 0, a, incarnation=9 if seq % 2 else 0, sequence=seq + 1)
+    assert e.value.reason == "round_share"
+  assert frozen(c) == before and c.counters["rejected"]["round_share"] == 10 - admission.PUSHES_PER_ROUND
+  others = [small(seed=i + 2) for i in range(3)]
+  for i, d in enumerate(others, start=1):
+    push(c, i, d)
+  assert c.status()["versions"] == [1]
+  # Learner 0's copies weigh one period between them: the plain mean of four learners' periods.
+  np.testing.assert_allclose(c.global_fragments()[0], g0 - (a + sum(others)) / 4, rtol=1e-5, atol=1e-7)
+  assert c.counters["tokens_merged"] == 4 * H * TPB
+
+
+def test_base_version_0_keeps_no_looser_bound_after_warm_up():
+  # The issue's bypass: a push refused on the current base was accepted on base 0, whose seed reference
+  # (about 60x the median) held for the whole run.
+  c, _ = make_core(k=4)
+  unit = np.ones(64, np.float32) / 8  # norm 1
+  g_norm = float(np.linalg.norm(c.global_fragments()[0]))
+  for v in range(3):
+    for i in range(4):
+      push(c, i, unit * 0.01 * g_norm, base_version=v)
+  before = frozen(c)
+  for base in (0, 1, 3):
+    with pytest.raises(Rejected) as e:
+      push(c, 0, unit * 0.5 * g_norm, base_version=base)  # 50x the others' norms, far under the seed's bound
+    assert e.value.reason == "outlier"
+  assert frozen(c) == before
+
+
+def test_the_outlier_reference_cannot_be_ratcheted_by_one_learner():
+  # The issue's ratchet: pushing alone (K = 1), one learner drove max|theta| from 1 to 1.4e34 in 3 s, each
+  # push just under the bound raising the median behind the next bound. Now the reference is the median of
+  # the live learners' own histories: the attacker's best (pushes just under the bound, in one direction)
+  # moves the global by at most the bound per round, never more, and the reference stays the honest one.
+  c, _ = make_core(k=1, scale_partial_rounds=False)
+  unit = np.ones(64, np.float32) / 8
+  for i in range(4):
+    for _ in range(3):
+      push(c, i, small(seed=i), base_version=c.status()["versions"][0])
+  st = c._machine.state
+  honest = max(float(np.median(st.members[i].norms[0])) for i in (1, 2, 3))  # the others' own medians
+  g0 = float(np.linalg.norm(c.global_fragments()[0]))
+  for _ in range(100):
+    reference = admission.outlier_reference(c.settings, st.fragments[0], helpers.make_push(0, unit, core=c),
+                                            st.members, 0.0)[0]
+    push(c, 0, unit * 9.99 * reference, base_version=c.status()["versions"][0])
+  after = admission.norm_reference(st.fragments[0], 64, st.members, 0, 0.0)[0]
+  assert after <= honest  # within the honest learners' own scales, whatever the attacker pushed
+  growth = float(np.linalg.norm(c.global_fragments()[0])) - g0
+  assert growth <= 100 * 10 * honest  # at most the bound per round: linear, not a ratchet
+
+
+def test_a_learner_refused_again_and_again_is_reported():
+  c, _ = make_core(k=1)
+  for i in range(4):
+    push(c, i, small(seed=i))
+  for n in range(admission.REPEATED_REFUSALS):
+    with pytest.raises(Rejected):
+      push(c, 2, np.full(64, 1e3, np.float32), base_version=c.status()["versions"][0])
+    assert c.status()["refused_repeatedly"] == ([2] if n + 1 >= admission.REPEATED_REFUSALS else [])
+  assert c.status()["members"]["2"]["refused_in_row"] == admission.REPEATED_REFUSALS
+  c.drain_decisions()
+  push(c, 0, small(seed=7), base_version=c.status()["versions"][0])
+  assert c.drain_decisions()[-1]["refused_repeatedly"] == [2]
+  push(c, 2, small(seed=8), base_version=c.status()["versions"][0])  # an accepted push ends the run
+  assert c.status()["refused_repeatedly"] == [] and c.status()["members"]["2"]["refused_total"] == 3
+
+
+def test_honest_norm_growth_is_followed_as_before():
+  # The per-learner histories share out the 16 latest pushes of a run: 4 learners whose norms grow 2.5x a
+  # round (a learning-rate warm-up) are never refused, as with one fragment-wide history; 3x is (as before).
+  unit = np.ones(64, np.float32) / 8
+  for growth, refused in ((2.5, 0), (3.0, 40)):
+    c, _ = make_core(k=4)
+    norm = 0.001
+    for _ in range(14):
+      for i in range(4):
+        try:
+          push(c, i, unit * norm, base_version=c.status()["versions"][0])
+        except Rejected:
+          pass
+      norm *= growth
+    assert c.counters["rejected"]["outlier"] == refused

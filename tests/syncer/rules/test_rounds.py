@@ -107,8 +107,8 @@ def test_lone_stale_push_keeps_its_discount(beta, partial):
 
 def test_partial_rounds_move_the_model_by_their_share_of_the_work():
   """With scale_partial_rounds, a round moves the model by the share of one period of every live
-  learner's work it holds: k/n for equal learners, by tokens for learners of different batch sizes, and a
-  learner with two periods in one round has both counted in full."""
+  learner's work it holds: k/n for equal learners, by tokens for learners of different batch sizes; a
+  learner's two pushes in one round weigh together what its largest one weighs (one period)."""
   c, clock = make_core(num_learners=4, k=1, max_grace_s=0.0, scale_partial_rounds=True)
   d = np.ones(8, np.float32)
   g = global_of(c)
@@ -129,14 +129,15 @@ def test_partial_rounds_move_the_model_by_their_share_of_the_work():
   g = global_of(c2)
   c2.push(make_push(1, d, tokens=100, base_version=4))
   np.testing.assert_allclose(g - global_of(c2), d / 6, rtol=1e-6)
-  # Two periods of one learner in one round (K = 2 of 2, learner 0 pushes twice before learner 1): summed.
+  # Two pushes of one learner in one round (K = 2 of 2, learner 0 pushes twice before learner 1): one
+  # period between them (each half its weight), not two (issue 21: copies of one period took the merge).
   c3, clock3 = make_core(num_learners=2, k=2, max_grace_s=0.0, scale_partial_rounds=True)
   c3.push(make_push(0, d, tokens=100))
   c3.push(make_push(0, 3 * d, tokens=100))
   g = global_of(c3)
   c3.push(make_push(1, 5 * d, tokens=100))
   assert c3.status()["versions"] == [1]
-  np.testing.assert_allclose(g - global_of(c3), 0.5 * (d + 3 * d) + 0.5 * 5 * d, rtol=1e-6)
+  np.testing.assert_allclose(g - global_of(c3), 0.5 * 0.5 * (d + 3 * d) + 0.5 * 5 * d, rtol=1e-6)
 
 
 def test_k1_no_grace_commits_at_first_push_and_multiple_fragments_independent():
