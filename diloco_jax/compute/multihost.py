@@ -14,9 +14,11 @@ learner"; docs/operations.md, "A learner spanning several processes (multi-host)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -37,6 +39,10 @@ from jax.sharding import PartitionSpec as P
 log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 3  # exit status of a process whose learner lost one of its processes
+# The most elements of a fragment one transfer between process 0 and the devices moves at once (64 MiB of
+# float32): what a device holds of a fragment in transit, per transfer (`Broadcaster.pieces`, `.gather`).
+CHUNK_ELEMENTS = 1 << 24
+CHUNKS_IN_FLIGHT = 2  # transfers dispatched and not yet done, at most
 _PREFIX = "diloco"  # namespace of this package's keys in the coordination service
 
 
@@ -267,16 +273,25 @@ def local_replica(x: jax.Array) -> jax.Array:
   return shard
 
 
-class Broadcaster:
-  """Sends a float32 vector from process 0 to every device of a learner's mesh.
+def row_chunks(shape: Sequence[int], chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+  """The rows [r0, r1) of an array of `shape` in chunks of at most `chunk` elements (at least one row)."""
+  row = math.prod(shape[1:])
+  per = max(1, chunk // max(row, 1))
+  return [(r, min(r + per, shape[0])) for r in range(0, shape[0], per)]
 
-  Process 0 passes the vector, the others `None`; every process gets it back replicated on `mesh`. The
-  vector travels as its raw 32-bit patterns in one jitted collective on the learner's own mesh: an input
-  with one row per device (process 0's rows hold the vector, the others' zeros) from which every device
-  takes one of process 0's rows (an integer all-reduce of one row and zeros: exact, signed zeros and NaN
-  payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
+
+class Broadcaster:
+  """Moves float32 vectors between process 0's host and every device of a learner's mesh.
+
+  `__call__`: process 0 passes a vector, the others `None`; every process gets it back replicated on
+  `mesh`. The vector travels as its raw 32-bit patterns in one jitted collective on the learner's own mesh:
+  an input with one row per device (process 0's rows hold the vector, the others' zeros) from which every
+  device takes one of process 0's rows (an integer all-reduce of one row and zeros: exact, signed zeros and
+  NaN payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
   wait for every step already queued on the devices.
-  """
+
+  `pieces` does that for a fragment chunk by chunk (`CHUNK_ELEMENTS`, at most `CHUNKS_IN_FLIGHT` in
+  transit) into its pieces sharded like the parameters; `gather`, the way back, to process 0's host."""
 
   def __init__(self, mesh):
     self._mesh = mesh
@@ -285,8 +300,12 @@ class Broadcaster:
     rows = self._in.devices_indices_map((mesh.size,))
     source = min(idx[0].indices(mesh.size)[0] for d, idx in rows.items() if d.process_index == 0)
     self._local_rows = len(self._in.addressable_devices)
+    replicated = NamedSharding(mesh, P())
     self._fn = jax.jit(lambda bits: jax.lax.bitcast_convert_type(bits[source], jnp.float32),
-                       out_shardings=NamedSharding(mesh, P()))
+                       out_shardings=replicated)
+    self._jits: dict = {}  # (what, sharding): jitted chunk writers and zeros
+    self._slice = jax.jit(lambda x, r0, rows: jax.lax.dynamic_slice_in_dim(x, r0, rows).reshape(-1),
+                          static_argnums=2, out_shardings=replicated)
 
   def __call__(self, vec: np.ndarray | None, size: int) -> jax.Array:
     if self._leader:
@@ -299,6 +318,62 @@ class Broadcaster:
     # Every local row is the same vector: a read-only view, not copies.
     local = np.broadcast_to(bits, (self._local_rows, size))
     return self._fn(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, size)))
+
+  def _jit(self, what: str, sharding):
+    key = (what, sharding)
+    if key not in self._jits:
+      zeros = lambda shape: jnp.zeros(shape, jnp.float32)
+      # "write": a replicated chunk of rows into a buffer sharded like a parameter, in place.
+      write = lambda buf, chunk, r0: jax.lax.dynamic_update_slice_in_dim(buf, chunk.reshape((-1, *buf.shape[1:])),
+                                                                         r0, axis=0)
+      self._jits[key] = (jax.jit(zeros, static_argnums=0, out_shardings=sharding) if what == "zeros" else
+                         jax.jit(write, out_shardings=sharding, donate_argnums=0))
+    return self._jits[key]
+
+  def pieces(self, vec: np.ndarray | None, shapes: Sequence[tuple[int, ...]],
+             shardings: Sequence[NamedSharding]) -> tuple[jax.Array, ...]:
+    """A fragment's flat vector (process 0 passes it, the others `None`) as its pieces of `shapes` on
+    every device of the learner, each in its sharding; bit for bit, chunk by chunk (class docstring)."""
+    total = sum(math.prod(s) for s in shapes)
+    if self._leader:
+      vec = np.ascontiguousarray(vec, dtype=np.float32)
+      if vec.shape != (total,):
+        raise ValueError(f"broadcast of a vector of shape {vec.shape}, expected ({total},)")
+    out, start, pending = [], 0, collections.deque()
+    for shape, sharding in zip(shapes, shardings):
+      buf, row = self._jit("zeros", sharding)(tuple(shape)), math.prod(shape[1:])
+      for r0, r1 in row_chunks(shape):
+        a, b = start + r0 * row, start + r1 * row
+        chunk = self(vec[a:b] if self._leader else None, b - a)
+        buf = self._jit("write", sharding)(buf, chunk, r0)
+        pending.append(chunk)
+        if len(pending) > CHUNKS_IN_FLIGHT:  # its input rows are gone once it is done
+          jax.block_until_ready(pending.popleft())
+      out.append(buf)
+      start += math.prod(shape)
+    return tuple(out)
+
+  def gather(self, pieces: Sequence[jax.Array]) -> np.ndarray | None:
+    """A fragment's pieces (sharded over the learner's devices) as its flat float32 vector on process 0's
+    host, in order (None on the other processes, which take part in the same transfers)."""
+    out = np.empty(sum(x.size for x in pieces), np.float32) if self._leader else None
+    start, pending = 0, collections.deque()
+
+    def drain(keep: int) -> None:
+      while len(pending) > keep:
+        a, chunk = pending.popleft()
+        out[a:a + chunk.size] = np.asarray(chunk)
+    for x in pieces:
+      row = math.prod(x.shape[1:])
+      for r0, r1 in row_chunks(x.shape):
+        chunk = self._slice(x, r0, r1 - r0)
+        if self._leader:
+          pending.append((start + r0 * row, local_replica(chunk)))
+          pending[-1][1].copy_to_host_async()
+          drain(CHUNKS_IN_FLIGHT)
+      start += x.size
+    drain(0)
+    return out
 
 
 def define_flags(fv) -> None:

@@ -53,6 +53,15 @@ class SyncResult:
   abandoned: bool = False
 
 
+def to_host(delta) -> np.ndarray:
+  """A fragment's outer gradient as its flat float32 host vector: a host vector as it is, or the pieces of
+  the fragment (device arrays of this process, sharded like the parameters: each device's shards come to
+  the host, no device holds the whole vector) concatenated in plan order."""
+  if isinstance(delta, np.ndarray):
+    return np.asarray(delta, np.float32)
+  return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in delta])
+
+
 class Comms:
   """Background network worker of one learner (one per learner; thread-safe)."""
 
@@ -235,7 +244,8 @@ class Comms:
 
   def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int,
            base_epoch: int = 0) -> concurrent.futures.Future:
-    """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result.
+    """Starts pushing `delta` (the fragment's pieces on the devices, or its host vector: `to_host`) for
+    `fragment` and fetching the merged result.
 
     `base_version`, `base_epoch`: the version and syncer epoch of the learner's base for the fragment.
     The future's `SyncResult` is `abandoned` if the syncer restarts meanwhile (module docstring).
@@ -251,7 +261,7 @@ class Comms:
         self._cpu_s += time.thread_time() - cpu0
 
   def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
-    vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
+    vec = to_host(delta)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
     with self._lock:
