@@ -273,10 +273,11 @@ def local_replica(x: jax.Array) -> jax.Array:
   return shard
 
 
-def row_chunks(shape: Sequence[int], chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
-  """The rows [r0, r1) of an array of `shape` in chunks of at most `chunk` elements (at least one row)."""
+def row_chunks(shape: Sequence[int], chunk: int | None = None) -> list[tuple[int, int]]:
+  """The rows [r0, r1) of an array of `shape` in chunks of at most `chunk` (`CHUNK_ELEMENTS`) elements, at
+  least one row each."""
   row = math.prod(shape[1:])
-  per = max(1, chunk // max(row, 1))
+  per = max(1, (chunk or CHUNK_ELEMENTS) // max(row, 1))
   return [(r, min(r + per, shape[0])) for r in range(0, shape[0], per)]
 
 
