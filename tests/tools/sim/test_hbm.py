@@ -1,0 +1,115 @@
+"""sim/hbm.py: a learner's device memory per chip against XLA's own accounting on 8 fake CPU devices
+(tiny_cpu, small_cpu), against the buffers a real learner holds, and the shipped configs on their slices.
+
+Tolerances: the state (parameters and AdamW moments) within 5% of XLA's argument bytes (the replicated
+norms and the batch are the rest); the step's temporaries (gradients and activations) within 10% on a
+data-parallel mesh, and within a factor of 3 of the estimate when the mesh shards the parameters, where
+XLA:CPU all-gathers whole weights and schedules without regard for memory (the TPU compiler does neither:
+the figure for a TPU slice is the analytic one).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import helpers
+from configs import small_cpu, tiny_cpu
+from diloco_jax.compute import inner
+from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.runs import inprocess
+from diloco_jax.tools.sim import hbm, sizing
+
+SHARDED = {"data": 1, "fsdp": 4, "tensor": 2}
+DATA_PARALLEL = {"data": -1, "fsdp": 1, "tensor": 1}
+
+
+def _config(module, axes):
+  c = module.get_config()
+  c.learners.num, c.learners.devices = 1, 8
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = axes["data"], axes["fsdp"], axes["tensor"]
+  return c
+
+
+@pytest.mark.parametrize("module,axes", [(tiny_cpu, SHARDED), (tiny_cpu, DATA_PARALLEL), (small_cpu, SHARDED),
+                                         (small_cpu, DATA_PARALLEL)])
+def test_inner_step_against_xla_memory_analysis(module, axes):
+  spec = hbm.config_for_devices(_config(module, axes), 8)
+  mesh = mesh_lib.make_mesh(jax.devices()[:8], axes)
+  graphdef, state, shardings = inner.init_state(spec, mesh, spec.learners.inner)
+  step = inner.make_inner_step(graphdef, spec.learners.inner, mesh, shardings)
+  batch = jax.ShapeDtypeStruct((spec.learners.batches[0], spec.data.seq_len + 1), jnp.int32,
+                               sharding=mesh_lib.batch_sharding(mesh))
+  xla = hbm.measured(step.lower(state, batch).compile())
+  est = hbm.learner_hbm(spec, sizing.fragment_sizes(spec), 8)
+  assert est["parameters"] + est["optimizer"] == pytest.approx(xla["arguments"], rel=0.05)
+  temporaries = est["gradients"] + est["activations"]
+  if axes is DATA_PARALLEL:
+    assert temporaries == pytest.approx(xla["temporaries"], rel=0.10)
+  else:
+    assert temporaries / 3 < xla["temporaries"] < 3 * temporaries
+
+
+def test_outer_loop_buffers_as_a_learner_holds_them():
+  c = _config(tiny_cpu, SHARDED)
+  c.outer.num_fragments, c.outer.sync_every, c.outer.tau, c.outer.max_in_flight = 2, 4, 3, 2
+  c.outer.min_quorum, c.outer.max_grace_s = 1, 0.0
+  est = hbm.learner_hbm(hbm.config_for_devices(c, 8), sizing.fragment_sizes(c), 8)
+  job = inprocess.InProcessRun(c, None, devices=jax.devices()[:8])
+  learner = job.learners[0]
+  try:
+    learner.join()
+    while len(learner.in_flight) < 2:
+      learner.train_step()
+    held = {}
+    for x in jax.tree.leaves([item.snapshot for item in learner.in_flight]):
+      for shard in x.addressable_shards:
+        held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    # Two fragments in flight, each at most the largest, a shard per device (the replicated norms above it).
+    assert est["outer_in_flight"] / 2 < max(held.values()) <= 1.05 * est["outer_in_flight"]
+    base = max(sum(s.data.nbytes for x in jax.tree.leaves(learner.base) for s in x.addressable_shards
+                   if s.device == d) for d in held)
+    assert base == pytest.approx(est["base"], rel=0.05)
+    learner.flush()
+  finally:
+    job.close()
+
+
+def test_parse_slice():
+  assert hbm.parse_slice("v5p-128") == hbm.Slice("v5p-128", "v5p", 64, 16)
+  assert hbm.parse_slice("v6e-256") == hbm.Slice("v6e-256", "v6e", 256, 64)
+  assert hbm.parse_slice("v6e-8").hosts == 1 and hbm.parse_slice("v5p-8").hosts == 1
+  assert hbm.parse_slice("v6e-8").hbm_per_chip == 32 * hbm.GiB
+  for bad in ("v5p", "v9-8", "v5p-x", "v5p-1"):
+    with pytest.raises(ValueError, match="accelerator type"):
+      hbm.parse_slice(bad)
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "diloco_jax", "sim", "sizing", *args], cwd=helpers.REPO,
+                        capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name,slices", sorted(hbm.PRESETS.items()))
+def test_shipped_configs_fit_their_slices(name, slices):
+  result = _cli("--config", f"configs/{name}.py", "--json")
+  assert result.returncode == 0, result.stderr
+  got = json.loads(result.stdout)["learner_hbm"]
+  assert [s["accelerator"] for s in got] == list(slices)
+  for s in got:
+    assert s["fits"] and s["headroom"] > 0.25 * s["hbm_per_chip"], s
+    assert s["outer_in_flight"] > 0 and s["total"] == sum(s[k] for k, _ in hbm._PARTS)  # pylint: disable=protected-access
+
+
+def test_cli_text_and_a_bad_accelerator():
+  text = _cli("--config", "configs/b12.py")
+  assert text.returncode == 0, text.stderr
+  assert "on v5p-128 (64 chips, 16 hosts" in text.stdout and "on v6e-256 (256 chips" in text.stdout
+  assert "outer gradients in flight" in text.stdout and "DOES NOT FIT" not in text.stdout
+  bad = _cli("--config", "configs/tiny_cpu.py", "--accelerators", "v9-8")
+  assert bad.returncode == 2 and "--accelerators" in bad.stderr
