@@ -274,8 +274,7 @@ def local_replica(x: jax.Array) -> jax.Array:
 
 
 def row_chunks(shape: Sequence[int], chunk: int | None = None) -> list[tuple[int, int]]:
-  """The rows [r0, r1) of an array of `shape` in chunks of at most `chunk` (`CHUNK_ELEMENTS`) elements, at
-  least one row each."""
+  """Rows [r0, r1) of an array of `shape` in chunks of <= `chunk` (`CHUNK_ELEMENTS`) elements (>= 1 row)."""
   row = math.prod(shape[1:])
   per = max(1, (chunk or CHUNK_ELEMENTS) // max(row, 1))
   return [(r, min(r + per, shape[0])) for r in range(0, shape[0], per)]
