@@ -1,7 +1,7 @@
 """A learner's outer-loop worker: everything that touches the network, off the inner loop's thread.
 
-`Comms.sync(...)` takes a fragment's outer gradient (a device array whose host copy is already under way)
-and returns a Future that, on background threads, brings it to the host, encodes it, pushes it with an
+`Comms.sync(...)` takes a fragment's outer gradient (its pieces on the devices, host copies under way) and
+returns a Future that, on background threads, brings it to the host, encodes it, pushes it with an
 idempotency key (a random `incarnation` per process start and a `sequence` per push: a retried push is
 merged once) and waits for the global fragment that merges it, fetched as a delta from the reference the
 learner holds when the syncer has one (`syncer/downlink.py`). A heartbeat thread renews the lease with the
