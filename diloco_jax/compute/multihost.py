@@ -273,13 +273,6 @@ def local_replica(x: jax.Array) -> jax.Array:
   return shard
 
 
-def row_chunks(shape: Sequence[int], chunk: int | None = None) -> list[tuple[int, int]]:
-  """Rows [r0, r1) of an array of `shape` in chunks of <= `chunk` (`CHUNK_ELEMENTS`) elements (>= 1 row)."""
-  row = math.prod(shape[1:])
-  per = max(1, (chunk or CHUNK_ELEMENTS) // max(row, 1))
-  return [(r, min(r + per, shape[0])) for r in range(0, shape[0], per)]
-
-
 class Broadcaster:
   """Moves float32 vectors between process 0's host and every device of a learner's mesh.
 
@@ -290,8 +283,11 @@ class Broadcaster:
   NaN payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
   wait for every step already queued on the devices.
 
-  `pieces` does that for a fragment chunk by chunk (`CHUNK_ELEMENTS`, at most `CHUNKS_IN_FLIGHT` in
-  transit) into its pieces sharded like the parameters; `gather`, the way back, to process 0's host."""
+  `pieces` does that for a fragment, chunk by chunk (`CHUNK_ELEMENTS`, at most `CHUNKS_IN_FLIGHT` in
+  transit): every process copies each chunk to its host, and its devices receive only their shards of the
+  fragment's pieces. `gather`, the way back: each process contributes the elements its devices own (one
+  replica of each), an integer sum of one value and zeros per element, chunk by chunk, to process 0's host.
+  """
 
   def __init__(self, mesh):
     self._mesh = mesh
@@ -303,9 +299,10 @@ class Broadcaster:
     replicated = NamedSharding(mesh, P())
     self._fn = jax.jit(lambda bits: jax.lax.bitcast_convert_type(bits[source], jnp.float32),
                        out_shardings=replicated)
-    self._jits: dict = {}  # (what, sharding): jitted chunk writers and zeros
-    self._slice = jax.jit(lambda x, r0, rows: jax.lax.dynamic_slice_in_dim(x, r0, rows).reshape(-1),
-                          static_argnums=2, out_shardings=replicated)
+    # The chunks of `gather`: every device's row holds what its process owns (one row per process, the
+    # others zeros); their sum is the chunk, bit for bit.
+    self._sum = jax.jit(lambda bits: jax.lax.bitcast_convert_type(jnp.sum(bits, axis=0, dtype=jnp.uint32),
+                                                                  jnp.float32), out_shardings=replicated)
 
   def __call__(self, vec: np.ndarray | None, size: int) -> jax.Array:
     if self._leader:
@@ -319,61 +316,60 @@ class Broadcaster:
     local = np.broadcast_to(bits, (self._local_rows, size))
     return self._fn(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, size)))
 
-  def _jit(self, what: str, sharding):
-    key = (what, sharding)
-    if key not in self._jits:
-      zeros = lambda shape: jnp.zeros(shape, jnp.float32)
-      # "write": a replicated chunk of rows into a buffer sharded like a parameter, in place.
-      write = lambda buf, chunk, r0: jax.lax.dynamic_update_slice_in_dim(buf, chunk.reshape((-1, *buf.shape[1:])),
-                                                                         r0, axis=0)
-      self._jits[key] = (jax.jit(zeros, static_argnums=0, out_shardings=sharding) if what == "zeros" else
-                         jax.jit(write, out_shardings=sharding, donate_argnums=0))
-    return self._jits[key]
+  def _chunks(self, total: int, transfer, copy: bool) -> np.ndarray | None:
+    """`transfer(a, b)` (a jitted transfer of elements [a, b), replicated) chunk by chunk, each chunk copied
+    into one host vector if `copy`, with at most `CHUNKS_IN_FLIGHT` chunks in transit."""
+    out = np.empty(total, np.float32) if copy else None
+    pending = collections.deque()
+    for a in range(0, total, CHUNK_ELEMENTS):
+      chunk = transfer(a, min(a + CHUNK_ELEMENTS, total))
+      if copy:
+        chunk = local_replica(chunk)
+        chunk.copy_to_host_async()
+      pending.append((a, chunk))
+      while pending and (len(pending) > CHUNKS_IN_FLIGHT or a + CHUNK_ELEMENTS >= total):
+        start, done = pending.popleft()
+        if copy:
+          out[start:start + done.size] = np.asarray(done)
+        else:
+          jax.block_until_ready(done)
+    return out
 
   def pieces(self, vec: np.ndarray | None, shapes: Sequence[tuple[int, ...]],
              shardings: Sequence[NamedSharding]) -> tuple[jax.Array, ...]:
     """A fragment's flat vector (process 0 passes it, the others `None`) as its pieces of `shapes` on
-    every device of the learner, each in its sharding; bit for bit, chunk by chunk (class docstring)."""
+    every device of the learner, each in its sharding; bit for bit (class docstring)."""
     total = sum(math.prod(s) for s in shapes)
     if self._leader:
       vec = np.ascontiguousarray(vec, dtype=np.float32)
       if vec.shape != (total,):
         raise ValueError(f"broadcast of a vector of shape {vec.shape}, expected ({total},)")
-    out, start, pending = [], 0, collections.deque()
+    host = self._chunks(total, lambda a, b: self(vec[a:b] if self._leader else None, b - a), copy=True)
+    out, start = [], 0
     for shape, sharding in zip(shapes, shardings):
-      buf, row = self._jit("zeros", sharding)(tuple(shape)), math.prod(shape[1:])
-      for r0, r1 in row_chunks(shape):
-        a, b = start + r0 * row, start + r1 * row
-        chunk = self(vec[a:b] if self._leader else None, b - a)
-        buf = self._jit("write", sharding)(buf, chunk, r0)
-        pending.append(chunk)
-        if len(pending) > CHUNKS_IN_FLIGHT:  # its input rows are gone once it is done
-          jax.block_until_ready(pending.popleft())
-      out.append(buf)
+      piece = host[start:start + math.prod(shape)].reshape(shape)
+      out.append(jax.make_array_from_callback(tuple(shape), sharding, lambda idx, piece=piece: piece[idx]))
       start += math.prod(shape)
     return tuple(out)
 
   def gather(self, pieces: Sequence[jax.Array]) -> np.ndarray | None:
     """A fragment's pieces (sharded over the learner's devices) as its flat float32 vector on process 0's
     host, in order (None on the other processes, which take part in the same transfers)."""
-    out = np.empty(sum(x.size for x in pieces), np.float32) if self._leader else None
-    start, pending = 0, collections.deque()
-
-    def drain(keep: int) -> None:
-      while len(pending) > keep:
-        a, chunk = pending.popleft()
-        out[a:a + chunk.size] = np.asarray(chunk)
+    owned = np.zeros(sum(x.size for x in pieces), np.uint32)  # this process's elements, zeros elsewhere
+    start = 0
     for x in pieces:
-      row = math.prod(x.shape[1:])
-      for r0, r1 in row_chunks(x.shape):
-        chunk = self._slice(x, r0, r1 - r0)
-        if self._leader:
-          pending.append((start + r0 * row, local_replica(chunk)))
-          pending[-1][1].copy_to_host_async()
-          drain(CHUNKS_IN_FLIGHT)
+      view = owned[start:start + x.size].reshape(x.shape)
+      for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+          view[shard.index] = np.asarray(shard.data, np.float32).view(np.uint32)
       start += x.size
-    drain(0)
-    return out
+
+    def transfer(a: int, b: int) -> jax.Array:
+      local = np.zeros((self._local_rows, b - a), np.uint32)
+      local[0] = owned[a:b]
+      return self._sum(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, b - a)))
+
+    return self._chunks(owned.size, transfer, copy=self._leader)
 
 
 def define_flags(fv) -> None:
