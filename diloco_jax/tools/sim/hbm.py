@@ -2,7 +2,7 @@
 
 Parts, per chip of one learner of `learners.devices` chips: the float32 parameters, AdamW's two moments,
 the base (the global fragments last adopted), the outer loop's buffers (the outer gradient of each sync in
-flight, at most `outer.max_in_flight`, and the global being adopted: fragment-sized float32, each sharded
+flight, at most `outer.max_in_flight`, and an adoption's: fragment-sized float32, each sharded
 like the parameters, `learner/device.py`), the multi-host transfers (`multihost.Broadcaster`: chunks in
 transit, slices of more than one host only) and the inner step's temporaries (gradients, activations),
 from an analytic model that `tests/tools/sim/test_hbm.py` checks against XLA's own figures
@@ -93,7 +93,9 @@ def learner_hbm(config, sizes, chips: int, hosts: int = 1) -> dict[str, int]:
       "optimizer": moments * params // shards,
       "base": 4 * params // shards,
       "outer_in_flight": in_flight * largest,
-      "adopting": largest,
+      # The global being adopted, a join's or rebase's zeros snapshot, and XLA's temporaries of the mix (one
+      # fragment's shards, measured: tests/tools/sim/test_hbm.py).
+      "adopting": 3 * largest,
       "broadcast": transit,
       "gradients": 4 * params // shards,
       "activations": activation_bytes(config.model, rows, config.data.seq_len, axes["tensor"]),
@@ -137,7 +139,8 @@ def default_slices(config, path: str) -> tuple[str, ...]:
 _PARTS = (("parameters", "parameters (fp32)"), ("optimizer", "AdamW moments (fp32)"),
           ("base", "base: the globals last adopted (fp32)"),
           ("outer_in_flight", "outer gradients in flight (max_in_flight)"),
-          ("adopting", "the global being adopted"), ("broadcast", "multi-host transfers in transit"),
+          ("adopting", "an adoption (the global, zeros, temporaries)"),
+          ("broadcast", "multi-host transfers in transit"),
           ("gradients", "gradients of the inner step"), ("activations", "activations (analytic)"))
 
 

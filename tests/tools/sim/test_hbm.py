@@ -16,12 +16,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import helpers
 from configs import small_cpu, tiny_cpu
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
+from diloco_jax.learner import device as device_lib
+from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.tools.sim import hbm, sizing
 
@@ -75,6 +78,17 @@ def test_outer_loop_buffers_as_a_learner_holds_them():
     base = max(sum(s.data.nbytes for x in jax.tree.leaves(learner.base) for s in x.addressable_shards
                    if s.device == d) for d in held)
     assert base == pytest.approx(est["base"], rel=0.05)
+    # An adoption: the global's and the snapshot's shards as arguments, and XLA's temporaries of the mix.
+    plan, fragments = learner.plan, learner.fragments
+    for item in learner.in_flight:
+      p = item.fragment
+      keys = fragments._keys[p]  # pylint: disable=protected-access
+      leaves = fragments_lib.get_leaves(learner.trainer.state.params, keys)
+      host = device_lib.host_pieces(plan, p, np.zeros(plan.size(p), np.float32))
+      adopt = fragments._fns[p][1]["full"]  # pylint: disable=protected-access
+      xla = hbm.measured(adopt.lower(leaves, leaves, host, item.snapshot, 0.5, 1.0).compile())
+      shards = sum(s.data.nbytes for x in item.snapshot for s in x.addressable_shards if s.device == jax.devices()[0])
+      assert xla["temporaries"] + 2 * shards <= 1.05 * est["adopting"], (xla, shards, est["adopting"])  # norms
     learner.flush()
   finally:
     job.close()
