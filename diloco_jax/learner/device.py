@@ -3,7 +3,7 @@ sharded like the parameters) and the jitted per-fragment functions that compute 
 a merged global fragment, on the leaves that hold the fragment's pieces only (docs/algorithm.md, "Learner",
 3-4). Every fragment-sized buffer on the devices (outer gradients in flight, the adopted global) is a tuple
 of pieces, each sharded like the leaf it comes from (`piece_sharding`): a device holds its shard of a
-fragment, never the whole vector (docs/architecture.md, "A learner's memory")."""
+fragment, never the whole vector (docs/architecture.md, "Memory")."""
 
 from __future__ import annotations
 
