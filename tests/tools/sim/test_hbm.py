@@ -11,8 +11,6 @@ the figure for a TPU slice is the analytic one).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +19,13 @@ import pytest
 
 import helpers
 from configs import small_cpu, tiny_cpu
+from diloco_jax import cli
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.learner import device as device_lib
 from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.runs import inprocess
-from diloco_jax.tools.sim import hbm, sizing
+from diloco_jax.tools.sim import hbm, sizing, syncer_cli
 
 SHARDED = {"data": 1, "fsdp": 4, "tensor": 2}
 DATA_PARALLEL = {"data": -1, "fsdp": 1, "tensor": 1}
@@ -104,26 +103,28 @@ def test_parse_slice():
       hbm.parse_slice(bad)
 
 
-def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "diloco_jax", "sim", "sizing", *args], cwd=helpers.REPO,
-                        capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.parametrize("name,slices", sorted(hbm.PRESETS.items()))
-def test_shipped_configs_fit_their_slices(name, slices):
-  result = _cli("--config", f"configs/{name}.py", "--json")
-  assert result.returncode == 0, result.stderr
-  got = json.loads(result.stdout)["learner_hbm"]
+def _fits(got, slices):
   assert [s["accelerator"] for s in got] == list(slices)
   for s in got:
     assert s["fits"] and s["headroom"] > 0.25 * s["hbm_per_chip"], s
     assert s["outer_in_flight"] > 0 and s["total"] == sum(s[k] for k, _ in hbm._PARTS)  # pylint: disable=protected-access
 
 
-def test_cli_text_and_a_bad_accelerator():
-  text = _cli("--config", "configs/b12.py")
-  assert text.returncode == 0, text.stderr
-  assert "on v5p-128 (64 chips, 16 hosts" in text.stdout and "on v6e-256 (256 chips" in text.stdout
-  assert "outer gradients in flight" in text.stdout and "DOES NOT FIT" not in text.stdout
-  bad = _cli("--config", "configs/tiny_cpu.py", "--accelerators", "v9-8")
-  assert bad.returncode == 2 and "--accelerators" in bad.stderr
+@pytest.mark.parametrize("name", ["m150", "b1"])
+def test_shipped_configs_fit_their_slices(name):
+  config = syncer_cli.load_config(str(helpers.REPO / "configs" / f"{name}.py"))
+  _fits(sizing.sizing(config, accelerators=hbm.default_slices(config, f"configs/{name}.py"))["learner_hbm"],
+        hbm.PRESETS[name])
+
+
+def test_cli_sizes_b12_on_its_slices_and_refuses_an_unknown_accelerator(capsys):
+  path = str(helpers.REPO / "configs" / "b12.py")
+  assert sizing.sim_sizing(["sizing", "--config", path, "--json"]) == 0
+  s = json.loads(capsys.readouterr().out)
+  _fits(s["learner_hbm"], ("v5p-128", "v6e-256"))
+  text = sizing.format_sizing(s, syncer_cli.load_config(path))
+  assert "on v5p-128 (64 chips, 16 hosts" in text and "on v6e-256 (256 chips" in text
+  assert "outer gradients in flight" in text and "DOES NOT FIT" not in text
+  with pytest.raises(cli.UsageError):
+    sizing.sim_sizing(["sizing", "--config", str(helpers.REPO / "configs" / "tiny_cpu.py"), "--accelerators", "v9-8"])
+  assert "--accelerators: unknown accelerator type 'v9-8'" in capsys.readouterr().err
