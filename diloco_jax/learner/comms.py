@@ -59,7 +59,11 @@ def to_host(delta) -> np.ndarray:
   the host, no device holds the whole vector) concatenated in plan order."""
   if isinstance(delta, np.ndarray):
     return np.asarray(delta, np.float32)
-  return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in delta])
+  out, start = np.empty(sum(x.size for x in delta), np.float32), 0
+  for x in delta:  # one piece's host copy at a time besides the vector
+    out[start:start + x.size] = np.asarray(x).reshape(-1)
+    start += x.size
+  return out
 
 
 class Comms:
