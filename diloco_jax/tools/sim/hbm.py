@@ -87,7 +87,9 @@ def learner_hbm(config, sizes, chips: int, hosts: int = 1) -> dict[str, int]:
   batch = config.learners.batches[0]
   rows = max(1, math.ceil(batch / (axes["data"] * axes["fsdp"])))
   largest = 4 * max(sizes) // shards
-  transit = (multihost.CHUNKS_IN_FLIGHT + 1) * 2 * 4 * multihost.CHUNK_ELEMENTS if hosts > 1 else 0
+  # Each chunk in transit: one row per device in, the chunk out; and one running transfer's temporaries.
+  chunks = 2 * (multihost.CHUNKS_IN_FLIGHT + 1) + 1
+  transit = chunks * 4 * multihost.CHUNK_ELEMENTS if hosts > 1 else 0
   parts = {
       "parameters": 4 * params // shards,
       "optimizer": moments * params // shards,

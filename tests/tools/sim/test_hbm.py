@@ -20,7 +20,7 @@ import pytest
 import helpers
 from configs import small_cpu, tiny_cpu
 from diloco_jax import cli
-from diloco_jax.compute import inner
+from diloco_jax.compute import inner, multihost
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.learner import device as device_lib
 from diloco_jax.outer import fragments as fragments_lib
@@ -91,6 +91,24 @@ def test_outer_loop_buffers_as_a_learner_holds_them():
     learner.flush()
   finally:
     job.close()
+
+
+def test_multi_host_transfers_against_xla(monkeypatch):
+  """A chunk's transfer holds a row per device in, the chunk out and as much in temporaries (XLA's count);
+  the estimate allows `CHUNKS_IN_FLIGHT` + 1 chunks in transit and one running, on slices of several hosts."""
+  monkeypatch.setattr(multihost, "CHUNK_ELEMENTS", 1 << 14)
+  mesh = mesh_lib.make_mesh(jax.devices()[:8], SHARDED)
+  broadcast = multihost.Broadcaster(mesh)
+  rows = jax.ShapeDtypeStruct((8, multihost.CHUNK_ELEMENTS), jnp.uint32, sharding=broadcast._in)  # pylint: disable=protected-access
+  spec = hbm.config_for_devices(_config(tiny_cpu, SHARDED), 8)
+  sizes = sizing.fragment_sizes(spec)
+  assert hbm.learner_hbm(spec, sizes, 8, hosts=1)["broadcast"] == 0
+  estimate = hbm.learner_hbm(spec, sizes, 8, hosts=2)["broadcast"]
+  for fn in (broadcast._fn, broadcast._sum):  # pylint: disable=protected-access
+    xla = hbm.measured(fn.lower(rows).compile())
+    held = xla["arguments"] + xla["outputs"]
+    assert held == 2 * 4 * multihost.CHUNK_ELEMENTS
+    assert (multihost.CHUNKS_IN_FLIGHT + 1) * held + xla["temporaries"] == estimate
 
 
 def test_parse_slice():
