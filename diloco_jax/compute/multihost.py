@@ -14,9 +14,11 @@ learner"; docs/operations.md, "A learner spanning several processes (multi-host)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -37,6 +39,10 @@ from jax.sharding import PartitionSpec as P
 log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 3  # exit status of a process whose learner lost one of its processes
+# The most elements of a fragment one transfer between process 0 and the devices moves at once (64 MiB of
+# float32): what a device holds of a fragment in transit, per transfer (`Broadcaster.pieces`, `.gather`).
+CHUNK_ELEMENTS = 1 << 24
+CHUNKS_IN_FLIGHT = 2  # transfers dispatched and not yet done, at most
 _PREFIX = "diloco"  # namespace of this package's keys in the coordination service
 
 
@@ -268,14 +274,19 @@ def local_replica(x: jax.Array) -> jax.Array:
 
 
 class Broadcaster:
-  """Sends a float32 vector from process 0 to every device of a learner's mesh.
+  """Moves float32 vectors between process 0's host and every device of a learner's mesh.
 
-  Process 0 passes the vector, the others `None`; every process gets it back replicated on `mesh`. The
-  vector travels as its raw 32-bit patterns in one jitted collective on the learner's own mesh: an input
-  with one row per device (process 0's rows hold the vector, the others' zeros) from which every device
-  takes one of process 0's rows (an integer all-reduce of one row and zeros: exact, signed zeros and NaN
-  payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
+  `__call__`: process 0 passes a vector, the others `None`; every process gets it back replicated on
+  `mesh`. The vector travels as its raw 32-bit patterns in one jitted collective on the learner's own mesh:
+  an input with one row per device (process 0's rows hold the vector, the others' zeros) from which every
+  device takes one of process 0's rows (an integer all-reduce of one row and zeros: exact, signed zeros and
+  NaN payloads included). Staying on the learner's mesh matters: moving the result between two meshes would
   wait for every step already queued on the devices.
+
+  `pieces` does that for a fragment, chunk by chunk (`CHUNK_ELEMENTS`, at most `CHUNKS_IN_FLIGHT` in
+  transit): every process copies each chunk to its host, and its devices receive only their shards of the
+  fragment's pieces. `gather`, the way back: each process contributes the elements its devices own (one
+  replica of each), an integer sum of one value and zeros per element, chunk by chunk, to process 0's host.
   """
 
   def __init__(self, mesh):
@@ -285,8 +296,13 @@ class Broadcaster:
     rows = self._in.devices_indices_map((mesh.size,))
     source = min(idx[0].indices(mesh.size)[0] for d, idx in rows.items() if d.process_index == 0)
     self._local_rows = len(self._in.addressable_devices)
+    replicated = NamedSharding(mesh, P())
     self._fn = jax.jit(lambda bits: jax.lax.bitcast_convert_type(bits[source], jnp.float32),
-                       out_shardings=NamedSharding(mesh, P()))
+                       out_shardings=replicated)
+    # The chunks of `gather`: every device's row holds what its process owns (one row per process, the
+    # others zeros); their sum is the chunk, bit for bit.
+    self._sum = jax.jit(lambda bits: jax.lax.bitcast_convert_type(jnp.sum(bits, axis=0, dtype=jnp.uint32),
+                                                                  jnp.float32), out_shardings=replicated)
 
   def __call__(self, vec: np.ndarray | None, size: int) -> jax.Array:
     if self._leader:
@@ -299,6 +315,61 @@ class Broadcaster:
     # Every local row is the same vector: a read-only view, not copies.
     local = np.broadcast_to(bits, (self._local_rows, size))
     return self._fn(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, size)))
+
+  def _chunks(self, total: int, transfer, copy: bool) -> np.ndarray | None:
+    """`transfer(a, b)` (a jitted transfer of elements [a, b), replicated) chunk by chunk, each chunk copied
+    into one host vector if `copy`, with at most `CHUNKS_IN_FLIGHT` chunks in transit."""
+    out = np.empty(total, np.float32) if copy else None
+    pending = collections.deque()
+    for a in range(0, total, CHUNK_ELEMENTS):
+      chunk = transfer(a, min(a + CHUNK_ELEMENTS, total))
+      if copy:
+        chunk = local_replica(chunk)
+        chunk.copy_to_host_async()
+      pending.append((a, chunk))
+      while pending and (len(pending) > CHUNKS_IN_FLIGHT or a + CHUNK_ELEMENTS >= total):
+        start, done = pending.popleft()
+        if copy:
+          out[start:start + done.size] = np.asarray(done)
+        else:
+          jax.block_until_ready(done)
+    return out
+
+  def pieces(self, vec: np.ndarray | None, shapes: Sequence[tuple[int, ...]],
+             shardings: Sequence[NamedSharding]) -> tuple[jax.Array, ...]:
+    """A fragment's flat vector (process 0 passes it, the others `None`) as its pieces of `shapes` on
+    every device of the learner, each in its sharding; bit for bit (class docstring)."""
+    total = sum(math.prod(s) for s in shapes)
+    if self._leader:
+      vec = np.ascontiguousarray(vec, dtype=np.float32)
+      if vec.shape != (total,):
+        raise ValueError(f"broadcast of a vector of shape {vec.shape}, expected ({total},)")
+    host = self._chunks(total, lambda a, b: self(vec[a:b] if self._leader else None, b - a), copy=True)
+    out, start = [], 0
+    for shape, sharding in zip(shapes, shardings):
+      piece = host[start:start + math.prod(shape)].reshape(shape)
+      out.append(jax.make_array_from_callback(tuple(shape), sharding, lambda idx, piece=piece: piece[idx]))
+      start += math.prod(shape)
+    return tuple(out)
+
+  def gather(self, pieces: Sequence[jax.Array]) -> np.ndarray | None:
+    """A fragment's pieces (sharded over the learner's devices) as its flat float32 vector on process 0's
+    host, in order (None on the other processes, which take part in the same transfers)."""
+    owned = np.zeros(sum(x.size for x in pieces), np.uint32)  # this process's elements, zeros elsewhere
+    start = 0
+    for x in pieces:
+      view = owned[start:start + x.size].reshape(x.shape)
+      for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+          view[shard.index] = np.asarray(shard.data, np.float32).view(np.uint32)
+      start += x.size
+
+    def transfer(a: int, b: int) -> jax.Array:
+      local = np.zeros((self._local_rows, b - a), np.uint32)
+      local[0] = owned[a:b]
+      return self._sum(jax.make_array_from_process_local_data(self._in, local, (self._mesh.size, b - a)))
+
+    return self._chunks(owned.size, transfer, copy=self._leader)
 
 
 def define_flags(fv) -> None:

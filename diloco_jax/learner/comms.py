@@ -1,7 +1,7 @@
 """A learner's outer-loop worker: everything that touches the network, off the inner loop's thread.
 
-`Comms.sync(...)` takes a fragment's outer gradient (a device array whose host copy is already under way)
-and returns a Future that, on background threads, brings it to the host, encodes it, pushes it with an
+`Comms.sync(...)` takes a fragment's outer gradient (its pieces on the devices, host copies under way) and
+returns a Future that, on background threads, brings it to the host, encodes it, pushes it with an
 idempotency key (a random `incarnation` per process start and a `sequence` per push: a retried push is
 merged once) and waits for the global fragment that merges it, fetched as a delta from the reference the
 learner holds when the syncer has one (`syncer/downlink.py`). A heartbeat thread renews the lease with the
@@ -51,6 +51,19 @@ class SyncResult:
   # The syncer restarted (another epoch) before the merged fragment came back: no `global_vec`; the
   # learner recovers (`learner/loop.py`).
   abandoned: bool = False
+
+
+def to_host(delta) -> np.ndarray:
+  """A fragment's outer gradient as its flat float32 host vector: a host vector as it is, or the pieces of
+  the fragment (device arrays of this process, sharded like the parameters: each device's shards come to
+  the host, no device holds the whole vector) concatenated in plan order."""
+  if isinstance(delta, np.ndarray):
+    return np.asarray(delta, np.float32)
+  out, start = np.empty(sum(x.size for x in delta), np.float32), 0
+  for x in delta:  # one piece's host copy at a time besides the vector
+    out[start:start + x.size] = np.asarray(x).reshape(-1)
+    start += x.size
+  return out
 
 
 class Comms:
@@ -235,7 +248,8 @@ class Comms:
 
   def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int,
            base_epoch: int = 0) -> concurrent.futures.Future:
-    """Starts pushing `delta` (a device array) for `fragment` and fetching the merged result.
+    """Starts pushing `delta` (the fragment's pieces on the devices, or its host vector: `to_host`) for
+    `fragment` and fetching the merged result.
 
     `base_version`, `base_epoch`: the version and syncer epoch of the learner's base for the fragment.
     The future's `SyncResult` is `abandoned` if the syncer restarts meanwhile (module docstring).
@@ -251,7 +265,7 @@ class Comms:
         self._cpu_s += time.thread_time() - cpu0
 
   def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
-    vec = np.asarray(delta, dtype=np.float32)  # waits for the device->host copy, on this thread only
+    vec = to_host(delta)  # waits for the device->host copy, on this thread only
     del delta
     payload = codec_lib.encode(vec, self.codec, self.block)
     with self._lock:

@@ -8,8 +8,9 @@ a multi-host learner"):
   exchanges nothing. Every `train.log_every` steps a decision point also carries the stop flag.
 * what: process 0 publishes one small message per decision (`multihost.HostChannel`); the others read it.
   A syncer restart is said at the next decision point, then the recovery plan is one more decision.
-* the values: each adopted fragment goes from process 0's devices to every device of the learner in one
-  collective (`multihost.Broadcaster`).
+* the values: each adopted fragment goes from process 0's host to every device of the learner, and each
+  outer gradient pushed from the devices to process 0's host, chunk by chunk, never whole on one device
+  (`multihost.Broadcaster`).
 Catching up after an absence needs no message: it follows from the versions adopted, the same everywhere.
 """
 
@@ -20,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
 from diloco_jax.compute import multihost
 from diloco_jax.learner.comms import SyncResult
@@ -74,18 +76,21 @@ class ProcessGroup:
       raise RuntimeError(f"learner {self._learner.learner_id}: process 0 failed: {message['error']}")
     return message
 
-  def share(self, vec, fragment: int) -> jax.Array:
+  def share(self, vec, fragment: int) -> tuple[jax.Array, ...]:
     """A fragment's vector (process 0 has it on its host; the others pass None), on every device of the
-    learner."""
+    learner: its pieces, sharded like the parameters (`Broadcaster.pieces`)."""
     t0 = time.perf_counter()
-    out = self._broadcast(vec if self.leader else None, self._learner.plan.size(fragment))
+    fragments = self._learner.fragments
+    out = self._broadcast.pieces(vec if self.leader else None, fragments.shapes[fragment],
+                                 fragments.shardings[fragment])
     self.broadcasts += 1
     self.broadcast_s += time.perf_counter() - t0
     return out
 
-  def pushed(self, delta: jax.Array) -> jax.Array | None:
-    # The snapshot is replicated: process 0's own copy is the whole vector, and only it goes to the host.
-    return multihost.local_replica(delta) if self.leader else None
+  def pushed(self, delta: tuple[jax.Array, ...]) -> np.ndarray | None:
+    # The snapshot is sharded over every process's devices: process 0 gathers it to its host chunk by chunk,
+    # and every process takes part in the same transfers (`Broadcaster.gather`).
+    return self._broadcast.gather(delta)
 
   def _adopt_decided(self, entries, items) -> None:
     """Adopt the results a decision names: entries [index into `items`, version, kind, base_version, epoch,

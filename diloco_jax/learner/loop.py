@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 class InFlight:
   fragment: int
   snapshot_step: int
-  snapshot: jax.Array  # the outer gradient pushed (on the device): locates theta at the snapshot
+  # The outer gradient pushed (its pieces on the devices, sharded like the parameters): locates theta at
+  # the snapshot.
+  snapshot: tuple[jax.Array, ...]
   future: object  # concurrent.futures.Future[SyncResult]; None on a process that pushes none (group.py)
   steps: int = 0  # the inner steps and tokens the push carries
   tokens: int = 0
@@ -132,7 +134,7 @@ class Learner:
 
   # -- adopting ------------------------------------------------------------------------------------
 
-  def adopt(self, result: SyncResult, snapshot: jax.Array | None) -> None:
+  def adopt(self, result: SyncResult, snapshot: tuple[jax.Array, ...] | None) -> None:
     """Adopt a merged global fragment. With a `snapshot` and `outer.keep_local_progress`, the inner steps
     taken since the snapshot are kept on top of it; without one (joining), the global overwrites."""
     p = result.fragment
@@ -145,8 +147,6 @@ class Learner:
       raise RuntimeError(f"learner {self.learner_id}: fragment {p} delta from syncer epoch {result.epoch}, "
                          f"but the base is from epoch {self.base_epoch[p]}")
     keep = float(self._keep_progress and snapshot is not None)
-    if snapshot is None:
-      snapshot = self.fragments.zeros[p]
     self.fragments.adopt(p, result.kind, result.global_vec, snapshot, self._alpha, keep)
     self.base_version[p] = result.version
     self.base_epoch[p] = result.epoch
@@ -206,13 +206,15 @@ class Learner:
     if self.tau == 0:
       self.strategy.wait(self.in_flight[-1])
 
-  def _start_sync(self, p: int, delta: jax.Array):
+  def _start_sync(self, p: int, delta: tuple[jax.Array, ...]):
     """Hands fragment p's outer gradient to the comms worker; returns the future of its merged result (None
     on a process that pushes none)."""
     pushed = self.strategy.pushed(delta)
     if pushed is None:
       return None
-    pushed.copy_to_host_async()
+    if isinstance(pushed, tuple):  # pieces on the devices (a host vector is already there)
+      for piece in pushed:
+        piece.copy_to_host_async()
     return self.comms.sync(p, pushed, self.base_version[p], self.steps_since[p], self.tokens_since[p],
                            base_epoch=self.base_epoch[p])
 

@@ -46,10 +46,12 @@ class Strategy(Protocol):
     """A decision every process of the learner takes alike: `make_message()` where the syncer is reached."""
 
   def share(self, vec: np.ndarray | None, fragment: int):
-    """A fetched global fragment's vector (this process's, if it reached the syncer), for adoption."""
+    """A fetched global fragment's vector (this process's, if it reached the syncer), for adoption: a host
+    vector, or the fragment's pieces on the devices (`device.DeviceFragments.adopt` takes either)."""
 
-  def pushed(self, delta: jax.Array) -> jax.Array | None:
-    """The copy of a fragment's outer gradient this process pushes; None: it pushes none."""
+  def pushed(self, delta: tuple[jax.Array, ...]) -> tuple[jax.Array, ...] | np.ndarray | None:
+    """What this process pushes of a fragment's outer gradient (its pieces on the devices, sharded like the
+    parameters): the pieces, or their flat host vector; None: it pushes none."""
 
   def stats(self) -> dict:
     """Counters for the learner's summary."""
@@ -124,10 +126,10 @@ class SingleProcess:
     return make_message()
 
   def share(self, vec: np.ndarray | None, fragment: int):
-    return vec  # to the devices as the jitted adoption's replicated argument
+    return vec  # each device receives its shards of it as the jitted adoption's argument
 
-  def pushed(self, delta: jax.Array) -> jax.Array:
-    return delta
+  def pushed(self, delta: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return delta  # this process addresses every shard: the comms worker copies them to the host
 
   def stats(self) -> dict:
     return {}

@@ -74,12 +74,15 @@ def _overrides(**extra):
   return helpers.tiny_overrides(**extra)
 
 
-def test_two_process_learner_matches_one_process_learner(tmp_path):
+@pytest.mark.parametrize("mesh", [{}, {"mesh.data": 1, "mesh.fsdp": 4}], ids=["data_parallel", "fsdp_over_processes"])
+def test_two_process_learner_matches_one_process_learner(tmp_path, mesh):
   # One learner (K = 1) with tau = 0 adopts each merge at its snapshot's step, so its whole trajectory,
   # syncs included, is deterministic; fp32 codecs keep rounding differences from being quantized apart.
+  # With fsdp over both processes, each outer gradient reaches process 0 and each merged fragment every
+  # device chunk by chunk, no device holding a whole fragment (`multihost.Broadcaster.pieces`, `.gather`).
   argv = _overrides(steps=12, **{"learners.num": 1, "learners.devices": 4, "outer.tau": 0,
                                  "outer.codec": "fp32", "outer.downlink_codec": "fp32",
-                                 "learners.peer_timeout_s": 30.0})
+                                 "learners.peer_timeout_s": 30.0, **mesh})
   run = helpers.ProcessRun(tmp_path, argv)
   try:
     syncer = run.syncer()

@@ -24,6 +24,7 @@ from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import fragments
+from diloco_jax.tools.sim import hbm
 
 PROCESS_BYTES = 600 * 2**20  # a syncer process with nothing loaded (measured ~520 MiB, rounded up)
 # Extra copies of the checkpointed vectors while a checkpoint is written (3 measured, one removed since).
@@ -149,16 +150,18 @@ def traffic_per_period(sizes, *, codec: str, downlink_codec: str, block: int) ->
 
 def learner_memory(config, sizes) -> dict[str, int]:
   """Per chip: the learner's persistent state (float32 parameters, the adopted base, AdamW's two moments)
-  divided over the parameter-sharding axes (fsdp x tensor), activations not included; host: the bound on
-  the outer loop's host buffers, (max_in_flight + 1) x the largest fragment in fp32."""
+  divided over the parameter-sharding axes (fsdp x tensor), activations not included (`hbm.learner_hbm`
+  has every part); host: the bound on the outer loop's host buffers, (max_in_flight + 1) x the largest
+  fragment in fp32."""
   axes = mesh_lib.resolve_axis_sizes(mesh_lib.mesh_axes_from_config(config), config.learners.devices)
   shards = axes["fsdp"] * axes["tensor"]
   return {"state_bytes_per_chip": 16 * sum(sizes) // shards, "parameter_shards": shards,
           "host_bytes": (in_flight(config) + 1) * 4 * max(sizes)}
 
 
-def sizing(config, learners: int | None = None, step_s: float = 0.0) -> dict:
-  """Everything `python -m diloco_jax sim sizing` prints, as plain values."""
+def sizing(config, learners: int | None = None, step_s: float = 0.0, accelerators=()) -> dict:
+  """Everything `python -m diloco_jax sim sizing` prints, as plain values; `accelerators`: the slices to
+  size a learner's device memory on (`hbm.for_slice`)."""
   sizes = fragment_sizes(config)
   o = config.outer
   m = learners or config.learners.num
@@ -168,6 +171,7 @@ def sizing(config, learners: int | None = None, step_s: float = 0.0) -> dict:
       "params": sum(sizes), "fragment_sizes": list(sizes), "learners": m, "sync_every": o.sync_every,
       "syncer": _syncer_parts(config, sizes, m), "syncer_disk_bytes": syncer_disk_bytes(config, sizes),
       "learner": learner_memory(config, sizes),
+      "learner_hbm": [hbm.for_slice(config, sizes, a) for a in accelerators],
       "traffic": {"up_bytes_per_period": up, "down_bytes_per_period": down, "join_bytes": 4 * sum(sizes)},
   }
   if step_s > 0:
@@ -212,6 +216,7 @@ def format_sizing(s: dict, config) -> str:
   lines.append(f"learner state per chip ({ln['parameter_shards']}-way parameter sharding, activations not "
                f"included): {_gb(ln['state_bytes_per_chip'])}; host buffers of the outer loop <= "
                f"{_gb(ln['host_bytes'])}")
+  lines += hbm.format_slices(s["learner_hbm"])
   return "\n".join(lines)
 
 
@@ -219,6 +224,8 @@ def _define_flags(fv):
   flags.DEFINE_integer("learners", 0, "M, the number of learners (default: config.learners.num)", flag_values=fv)
   flags.DEFINE_float("step-s", 0.0, "inner step time in seconds, to print average bandwidths", flag_values=fv)
   flags.DEFINE_bool("json", False, "print JSON instead of text", flag_values=fv)
+  flags.DEFINE_list("accelerators", [], "TPU slices to size a learner's device memory on, e.g. v5p-128,v6e-256 "
+                    "(default: the shipped config's presets, `hbm.PRESETS`)", flag_values=fv)
 
 
 def sim_sizing(argv) -> int:
@@ -228,7 +235,13 @@ def sim_sizing(argv) -> int:
     raise cli.UsageError("--learners and --step-s must be >= 0")
   config = fv.config  # as configured, not resolved: sizing derives its figures for --learners learners
   cli.validated(config, None, learners=True, data=False)  # sizing reads no data (create.sh runs it here)
-  s = sizing(config, fv.learners or None, fv["step-s"].value)
+  try:
+    accelerators = fv.accelerators or hbm.default_slices(config, fv["config"].config_filename)
+    for a in accelerators:
+      hbm.parse_slice(a)
+  except ValueError as e:
+    raise cli.UsageError(f"--accelerators: {e}") from e
+  s = sizing(config, fv.learners or None, fv["step-s"].value, accelerators)
   print(json.dumps(s, indent=2) if fv.json else format_sizing(s, config))
   return 0
 
