@@ -3,8 +3,10 @@ overrides (ml_collections config_flags), validated before anything compiles."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -79,33 +81,72 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
   the XLA compilation cache on) unless `config=False` (commands that train nothing). Returns the flags and
   the positional arguments.
 
-  An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
-  command without a model (the simulator) gets only its own flags, and jax is not imported.
+  An unknown config field, a value of the wrong type, a missing --config or a config file that does not
+  exist exits with status 2 and a message naming the field or file. `-h`/`--help` prints `doc` and the
+  flags, and exits 0, before anything imports jax. With `config=False` a command without a model (the
+  simulator) gets only its own flags, and jax is not imported.
   """
   fv = flags.FlagValues()
   if config:
-    enable_compilation_cache()
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py), required; "
                                     "--config.<field>=<value> overrides a field.",
                                     flag_values=fv, lock_config=True, sys_argv=argv)
+    fv["config"].default_as_str = None  # required: the help shows no "(default: 'None')"
   if define_extra:
     define_extra(fv)
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(f"usage: {argv[0]} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
           else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
+  if config:
+    _check_config_file(argv)
+    enable_compilation_cache()
   try:
     args = fv(argv)[1:]
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
+    detail = flag_error_text(e)
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
     if any(part in detail for o in overrides for part in o.split(".")[1:]):
       raise UsageError(f"bad config override among {overrides}: {detail}") from None
     raise UsageError(f"{detail} (see {argv[0]} --help)") from None
   if config and fv.config is None:
-    raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
+    raise UsageError(_CONFIG_REQUIRED)
   return fv, args
+
+
+_CONFIG_REQUIRED = "--config is required, e.g. --config configs/small_cpu.py"
+
+
+def _check_config_file(argv: list[str]) -> None:
+  """A `--config FILE[:ARG]` that names no file is a usage error (ml_collections would defer it to a
+  chain of tracebacks at the first use of the config)."""
+  for i, a in enumerate(argv[1:], 1):
+    if a == "--config" and i + 1 < len(argv):
+      value = argv[i + 1]
+    elif a.startswith("--config="):
+      value = a[len("--config="):]
+    else:
+      continue
+    path = value.split(":", 1)[0]
+    if not os.path.isfile(path):
+      raise UsageError(f"--config: no config file {path!r} (relative to {os.getcwd()}); "
+                       "e.g. --config configs/small_cpu.py")
+
+
+def flag_error_text(e: Exception) -> str:
+  """One line of a flag parsing error: ml_collections' field errors come as the repr of a quoted name
+  and a suggestion (`'stepz'\\nDid you mean "steps" ...`), read back as "no field 'stepz'; did you mean ..."."""
+  text = str(e)
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+    try:
+      text = str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      pass
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  if lines and re.fullmatch(r"'[^']*'", lines[0]):
+    rest = "; ".join(lines[1:])
+    lines = [f"no field {lines[0]}" + (f"; {rest[:1].lower()}{rest[1:]}" if rest else "")]
+  return " ".join(" ".join(lines).split())
 
 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
