@@ -35,6 +35,9 @@ from diloco_jax.runs import plots as plot_lib
 from diloco_jax.runs.launcher import Launcher
 
 EXIT_FAILED = cli.EXIT_FAILED
+# The figures of a summary that each segment of a resumed run counts for itself (the rest are the run's so far).
+SEGMENT_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "payload_bytes_sent", "payload_bytes_received",
+                  "comm_bytes")
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -109,10 +112,11 @@ def launch(argv) -> int:
   # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
   os.environ.update({k: v for k, v in children_lib.child_env(counts[0]).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
-  workdir = pathlib.Path(fv.workdir).resolve()
+  workdir = pathlib.Path(fv.workdir)
+  run_id = fv["run-id"].value
+  cli.check_workdir(config, workdir, run_id)  # before anything is written there
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
   children_lib.write_token(workdir / "token")
-  run_id = fv["run-id"].value
   config_lib.save_resolved(config, workdir, run_id)
   # A signal (any number of them) stops the children in order (`Launcher.stop_all`); the launcher says so after.
   with cli.StopSignals("local", doing=None, exit_on_second=False) as signals:
@@ -193,9 +197,12 @@ def _finish(launcher: Launcher, status: dict | None, codes: dict, t0: float, *, 
     summary["final_eval_loss"] = evaluate_global(config, launcher.syncer_dirs(), run_id, export_dir)
     if export_dir is not None and summary["final_eval_loss"] is not None:
       summary["model"] = str(export_dir)
-  metrics_lib.write_summary(workdir, summary)
+  # A rerun resumes the run: its summary covers every segment (an earlier one left summary.json).
+  summary = metrics_lib.write_summary(workdir, summary, resumed_fields=SEGMENT_FIELDS)
   loss = summary.get("final_eval_loss")
-  print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, versions {summary.get('versions')}, "
+  segments = f" over {len(summary['segments'])} segments" if "segments" in summary else ""
+  print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s{segments}, "
+        f"versions {summary.get('versions')}, "
         + (f"global eval loss {loss:.4f}, " if loss is not None else "")
         + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
         + (f", model in {summary['model']}" if "model" in summary else ""),

@@ -128,7 +128,9 @@ def _step_rate(ax, runs: Sequence[Run]) -> bool:
     for j, (name, records) in enumerate(series):
       points = _rates(records, t0)
       if points:
-        ax.plot(*zip(*points), ls=styles[i % len(styles)], color=f"C{j}", marker=".",
+        # A colour per learner (as in bytes.png); a baseline in black, never a learner's colour.
+        ax.plot(*zip(*points), ls=styles[i % len(styles)], color="k" if run.kind == "baseline" else f"C{j}",
+                marker=".",
                 label=f"{run.path.name}: {name.replace('_', ' ')}")
         drawn = True
   ax.set_xlabel("wall time since the run's first record (s)")
@@ -172,6 +174,7 @@ def _dp_reference(run: Run) -> tuple[str, list[tuple[float, float]]] | None:
 
 def _bytes(ax, runs: Sequence[Run]) -> bool:
   drawn = False
+  styles = ["-", "--", ":", "-."]
   baselines = [r for r in runs if r.kind == "baseline"]
   for i, run in enumerate(runs):
     if run.kind == "baseline":
@@ -184,9 +187,9 @@ def _bytes(ax, runs: Sequence[Run]) -> bool:
     for j, (_, records) in enumerate(learners):
       # A learner reads 1/M of the run's batch: its tokens times M are the run's.
       points = [(r["tokens"] * len(learners), r["comm_bytes"]) for r in records if r.get("comm_bytes")]
-      if points:
-        ax.plot(*zip(*points), color=f"C{i}", alpha=0.5 + 0.5 / (j + 1), lw=1,
-                label=f"{run.path.name}: per learner" if j == 0 else None)
+      if points:  # a colour per learner, as in the step rates; a line style per run
+        ax.plot(*zip(*points), color=f"C{j}", ls=styles[i % len(styles)], lw=1,
+                label=f"{run.path.name}: learner {j}")
         drawn = True
     reference = None if baselines else _dp_reference(run)
     if reference is not None and drawn:
