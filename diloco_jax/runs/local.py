@@ -130,7 +130,9 @@ def launch(argv) -> int:
           f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
     status, failed, codes = _run_children(launcher, with_evaluator=fv.eval)
     if failed is not None:
-      print(f"local: {failed}; last lines of {failed.child.log_path}:\n{failed.child.tail()}", file=sys.stderr)
+      tail = (f"; last lines of {failed.child.log_path}:\n{failed.child.tail()}"
+              if isinstance(failed, children_lib.ChildFailed) else "")
+      print(f"local: {failed}{tail}", file=sys.stderr)
       return EXIT_FAILED
     if launcher.signals:
       print(f"local: stopped by signal {launcher.signals[0]}; children exited {codes}", file=sys.stderr)
@@ -174,7 +176,7 @@ def _run_children(launcher: Launcher, *, with_evaluator: bool) -> tuple:
       launcher.watch()
     if not launcher.signals:
       status = launcher.syncer_status()
-  except children_lib.ChildFailed as e:
+  except RuntimeError as e:  # a child failed (ChildFailed), or the syncer never served
     failed = e
   finally:
     codes = launcher.stop_all()
