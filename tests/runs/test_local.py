@@ -91,8 +91,9 @@ def test_the_suggested_batch_of_three_learners_works(capsys, monkeypatch):
 def test_children_are_started_without_the_fork_warning(tmp_path, recwarn):
   """No preexec_fn (which would run jax's at-fork hook in this process): the child is told its parent and
   sets its own death signal."""
-  import jax  # noqa: F401, PLC0415 - jax is loaded, as in the launcher: its fork hook is armed
+  import jax  # noqa: PLC0415 - jax started, as in the launcher: its fork hook is armed
 
+  jax.devices()
   code = f"import os; print(os.environ.get({children.cli.PARENT_PID_ENV!r}))"
   child = children.Child("probe", [sys.executable, "-c", code], children.child_env(1), tmp_path / "probe.log")
   assert child.wait(60) == 0
