@@ -181,8 +181,9 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 @contextlib.contextmanager
 def _help_imports():
-  """Imports inside see `_HEAVY` as stand-ins (unless jax is loaded already: nothing to save); afterwards
-  every module imported inside is forgotten, so a later import in this interpreter is the real one."""
+  """Imports inside see `_HEAVY` as stand-ins (unless jax is loaded already: nothing to save); afterwards the
+  stand-ins and every module imported inside that holds one (the package's, at least) are forgotten, so a
+  later import in this interpreter is the real one. Other modules imported inside (numpy) stay: loaded once."""
   if "jax" in sys.modules:
     yield
     return
@@ -193,7 +194,10 @@ def _help_imports():
   finally:
     sys.meta_path.remove(finder)
     for name in set(sys.modules) - before:
-      del sys.modules[name]
+      module = sys.modules[name]
+      if (isinstance(module, _StandIn) or name.split(".")[0] == "diloco_jax"
+          or any(isinstance(v, (_StandIn, mock.Mock)) for v in list(vars(module).values()))):
+        del sys.modules[name]
 
 
 def _run(target: str, argv: list[str]) -> int:
