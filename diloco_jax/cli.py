@@ -205,6 +205,16 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
   return config_lib.resolve(config)
 
 
+def shown(path: str | os.PathLike) -> str:
+  """`path` as a user reads it: relative to the working directory when it is under it (as the command line
+  gave it, before `absolute_paths`), else as it is."""
+  text = str(path)
+  if "://" in text or not os.path.isabs(text):
+    return text
+  relative = os.path.relpath(text)
+  return text if relative.startswith("..") else relative
+
+
 def prefixed(name: str, error: Exception | str) -> str:
   """`name: error`, without doubling a prefix the error's text already has (`status: status: ...`)."""
   text = str(error)

@@ -96,8 +96,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
   log.close()
   if not quiet:
     print(f"baseline done: eval loss {eval_loss:.4f}, {trainer.tokens:,} tokens in {wall:.1f}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json"
-          + (f", model in {summary['model']}" if export else ""))
+          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {cli.shown(pathlib.Path(workdir) / 'summary.json')}"
+          + (f", model in {cli.shown(summary['model'])}" if export else ""))
     print(plot_lib.outputs(workdir, "baseline"))
   return summary
 

@@ -175,8 +175,9 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
     print(f"train done: global eval loss {summary['final_eval_loss']:.4f}"
           + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
           + f", {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, {summary['outer_rounds']} outer rounds, "
-          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
-          + (f", model in {summary['model']}" if export else ""))
+          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in "
+          f"{cli.shown(pathlib.Path(workdir) / 'summary.json')}"
+          + (f", model in {cli.shown(summary['model'])}" if export else ""))
     print(plot_lib.outputs(workdir, "train"))
   return summary
 

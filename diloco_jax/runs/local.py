@@ -206,7 +206,8 @@ def _finish(launcher: Launcher, status: dict | None, codes: dict, t0: float, *, 
   print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s{segments}, "
         f"versions {summary.get('versions')}, "
         + (f"global eval loss {loss:.4f}, " if loss is not None else "")
-        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
-        + (f", model in {summary['model']}" if "model" in summary else ""),
+        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in "
+        + cli.shown(workdir / "summary.json")
+        + (f", model in {cli.shown(summary['model'])}" if "model" in summary else ""),
         file=sys.stderr)
   print(plot_lib.outputs(workdir, "local"), file=sys.stderr)

@@ -17,6 +17,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+from diloco_jax import cli
 from diloco_jax import metrics as metrics_lib
 
 FIGURES = ("eval_loss", "step_rate", "versions", "bytes")
@@ -230,10 +231,11 @@ def outputs(workdir: str | pathlib.Path, command: str) -> str:
   workdir = pathlib.Path(workdir)
   try:
     written = write_plots([workdir], workdir / "plots")
-    plots = f"plots: {', '.join(str(p) for p in written)}" if written else "plots: nothing to plot yet"
+    plots = f"plots: {', '.join(cli.shown(p) for p in written)}" if written else "plots: nothing to plot yet"
   except Exception as e:  # noqa: BLE001 - a figure must not fail the run that produced the data
     plots = f"{command}: could not write the plots: {type(e).__name__}: {e}"
-  return (f"TensorBoard logs: {workdir} (view: tensorboard --logdir {workdir}; "
+  where = cli.shown(workdir)
+  return (f"TensorBoard logs: {where} (view: tensorboard --logdir {where}; "
           f"overlay runs: --logdir of their parent directory)\n{plots} "
-          f"(others: python -m diloco_jax plot {workdir} [RUN ...])")
+          f"(others: python -m diloco_jax plot {where} [RUN ...])")
 
