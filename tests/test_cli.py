@@ -39,6 +39,7 @@ def test_relative_paths_are_absolute_from_the_edge_on(tmp_path, monkeypatch):
                   "--config.data.path=notes.txt", "--config.data.train_files=t/a-*.array_record,gs://b/t-*",
                   "--config.emulation.cutoff_file=cut_{learner}"], _path_flags)
   assert fv.workdir == str(tmp_path / "runs" / "x")
+  assert cli.shown(fv.workdir) == "runs/x" and cli.shown("/abs/model") == "/abs/model"  # as the user gave them
   assert fv.model == [str(tmp_path / "runs" / "a" / "model"), "/abs/model"]
   assert fv["syncer-workdir"].value == f"{tmp_path / 's0'},{tmp_path / 's1'}"
   assert fv.out == "gs://bucket/m"  # a URL stays as it is

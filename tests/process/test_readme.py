@@ -106,7 +106,6 @@ def test_the_readmes_commands_run_as_written(here):
   def output(start: str) -> tuple[str, str]:
     return next(v for line, v in said.items() if line.split("diloco_jax ", 1)[1].startswith(start))
 
-
   default = here / "runs" / "default"
   assert (default / "summary.json").exists() and (default / "model").is_dir()
   for name in ("eval_loss", "step_rate", "versions", "bytes"):
@@ -117,6 +116,6 @@ def test_the_readmes_commands_run_as_written(here):
     assert re.search(f"^{_shape(line)}$", err, re.M), f"{line}\n{err[-3000:]}"
   assert "os.fork()" not in err
   eval_out = output("eval --model runs/default/model --data")[0]
-  assert re.search(r"runs/default/model: \d+\.\d{4} nats/token, \d+\.\d{4} bits/byte over [\d,]+ tokens .* of "
-                   r"\S*notes.txt", eval_out), eval_out
+  assert re.fullmatch(r"runs/default/model: \d+\.\d{4} nats/token, \d+\.\d{4} bits/byte over [\d,]+ tokens "
+                      r"\([\d,]+ bytes\) of notes.txt\n", eval_out), eval_out
   assert output("sample")[0].startswith("def ")
