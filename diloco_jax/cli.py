@@ -3,8 +3,11 @@ overrides (ml_collections config_flags), validated before anything compiles."""
 
 from __future__ import annotations
 
+import ast
+import ctypes
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -24,6 +27,7 @@ class UsageError(SystemExit):
     super().__init__(2)
 
 
+HELP_FLAGS = ("-h", "--help", "--helpfull")
 CACHE_ENV = "DILOCO_JAX_CACHE"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -79,33 +83,106 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
   the XLA compilation cache on) unless `config=False` (commands that train nothing). Returns the flags and
   the positional arguments.
 
-  An unknown config field, a value of the wrong type, or a missing --config exits with status 2 and a
-  message naming the field. `-h`/`--help` prints `doc` and the flags, and exits 0. With `config=False` a
-  command without a model (the simulator) gets only its own flags, and jax is not imported.
+  An unknown config field, a value of the wrong type, a missing --config or a config file that does not
+  exist exits with status 2 and a message naming the field or file. `-h`/`--help` prints `doc` and the
+  flags, and exits 0, before anything imports jax. With `config=False` a command without a model (the
+  simulator) gets only its own flags, and jax is not imported.
   """
   fv = flags.FlagValues()
   if config:
-    enable_compilation_cache()
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py); "
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py), required; "
                                     "--config.<field>=<value> overrides a field.",
                                     flag_values=fv, lock_config=True, sys_argv=argv)
+    fv["config"].default_as_str = None  # required: the help shows no "(default: 'None')"
   if define_extra:
     define_extra(fv)
-  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+  if any(a in HELP_FLAGS for a in argv[1:]):
     print(f"usage: {argv[0]} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
           else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
     raise SystemExit(0)
+  if config:
+    _check_config_file(argv)
+    enable_compilation_cache()
   try:
     args = fv(argv)[1:]
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\"").split())
+    detail = flag_error_text(e)
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
     if any(part in detail for o in overrides for part in o.split(".")[1:]):
       raise UsageError(f"bad config override among {overrides}: {detail}") from None
     raise UsageError(f"{detail} (see {argv[0]} --help)") from None
   if config and fv.config is None:
-    raise UsageError("--config is required, e.g. --config configs/small_cpu.py")
+    raise UsageError(_CONFIG_REQUIRED)
+  absolute_paths(fv)
   return fv, args
+
+
+# Every flag and config field that names a local file or directory (the ones listing several: comma-separated).
+PATH_FLAGS = ("workdir", "model", "checkpoint-dir", "data", "tokenizer", "out", "token-file", "tape", "record-tape",
+              "schedule", "reference", "root", "tls-cert", "tls-key", "tls-client-ca", "tls-ca")
+PATH_LIST_FLAGS = ("syncer-workdir",)
+PATH_FIELDS = ("data.path", "data.tokenizer", "emulation.cutoff_file")
+PATH_LIST_FIELDS = ("data.train_files", "data.eval_files")
+
+
+def absolute_path(text: str, many: bool = False) -> str:
+  """`text` with a local path made absolute against the working directory (`~` expanded); "" and URLs
+  (gs://...) unchanged. `many`: comma-separated paths, each made absolute."""
+  if many:
+    return ",".join(absolute_path(part.strip()) for part in text.split(","))
+  return text if not text or "://" in text else os.path.abspath(os.path.expanduser(text))
+
+
+def absolute_paths(fv: flags.FlagValues) -> None:
+  """Make every path a command takes absolute, in place: the flags of PATH_FLAGS and the config's fields of
+  PATH_FIELDS (a relative path then means the same in every library and child process, wherever they
+  resolve it: orbax, for one, refuses a relative checkpoint path)."""
+  for name in (*PATH_FLAGS, *PATH_LIST_FLAGS):
+    if name in fv and fv[name].value:
+      value = fv[name].value
+      many = name in PATH_LIST_FLAGS
+      fv[name].value = ([absolute_path(v, many) for v in value] if isinstance(value, list)
+                        else absolute_path(value, many))
+  config = fv["config"].value if "config" in fv else None
+  for path in (*PATH_FIELDS, *PATH_LIST_FIELDS) if config is not None else ():
+    section, name = path.split(".")
+    if section in config and name in config[section] and isinstance(config[section][name], str):
+      config[section][name] = absolute_path(config[section][name], path in PATH_LIST_FIELDS)
+
+
+_CONFIG_REQUIRED = "--config is required, e.g. --config configs/small_cpu.py"
+
+
+def _check_config_file(argv: list[str]) -> None:
+  """A `--config FILE[:ARG]` that names no file is a usage error (ml_collections would defer it to a
+  chain of tracebacks at the first use of the config)."""
+  for i, a in enumerate(argv[1:], 1):
+    if a == "--config" and i + 1 < len(argv):
+      value = argv[i + 1]
+    elif a.startswith("--config="):
+      value = a[len("--config="):]
+    else:
+      continue
+    path = value.split(":", 1)[0]
+    if not os.path.isfile(path):
+      raise UsageError(f"--config: no config file {path!r} (relative to {os.getcwd()}); "
+                       "e.g. --config configs/small_cpu.py")
+
+
+def flag_error_text(e: Exception) -> str:
+  """One line of a flag parsing error: ml_collections' field errors come as the repr of a quoted name
+  and a suggestion (`'stepz'\\nDid you mean "steps" ...`), read back as "no field 'stepz'; did you mean ..."."""
+  text = str(e)
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+    try:
+      text = str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      pass
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  if lines and re.fullmatch(r"'[^']*'", lines[0]):
+    rest = "; ".join(lines[1:])
+    lines = [f"no field {lines[0]}" + (f"; {rest[:1].lower()}{rest[1:]}" if rest else "")]
+  return " ".join(" ".join(lines).split())
 
 
 def validated(config, num_devices: int | None, *, learners: bool, data: bool = True):
@@ -128,6 +205,31 @@ def validated(config, num_devices: int | None, *, learners: bool, data: bool = T
   return config_lib.resolve(config)
 
 
+def shown(path: str | os.PathLike) -> str:
+  """`path` as a user reads it: relative to the working directory when it is under it (as the command line
+  gave it, before `absolute_paths`), else as it is."""
+  text = str(path)
+  if "://" in text or not os.path.isabs(text):
+    return text
+  relative = os.path.relpath(text)
+  return text if relative.startswith("..") else relative
+
+
+def prefixed(name: str, error: Exception | str) -> str:
+  """`name: error`, without doubling a prefix the error's text already has (`status: status: ...`)."""
+  text = str(error)
+  return text if text.startswith(f"{name}:") else f"{name}: {text}"
+
+
+def check_workdir(config, workdir: str | os.PathLike, run_id: str = "") -> None:
+  """Exit with status 2 and one line (`config_lib.check_workdir`) when `workdir` holds a run of another
+  config or run id; call it before the command writes anything there."""
+  try:
+    config_lib.check_workdir(config, workdir, run_id)
+  except config_lib.ConfigError as e:
+    raise UsageError(str(e)) from None
+
+
 def check_fragment_plan(config) -> None:
   """The run's fragment plan from the model's abstract shapes (nothing compiled or allocated): a plan
   that cannot be made raises ConfigError naming outer.num_fragments (or the field the plan names)."""
@@ -145,6 +247,22 @@ def check_fragment_plan(config) -> None:
 
 
 EXIT_FAILED = 1
+PARENT_PID_ENV = "DILOCO_JAX_PARENT_PID"  # set by `local` for its children (runs/children.py)
+
+
+def die_with_parent() -> None:
+  """In a child of `local` ($DILOCO_JAX_PARENT_PID names the launcher): SIGTERM when the launcher dies
+  (Linux's PR_SET_PDEATHSIG), so no child outlives it; if it is already gone, SIGTERM now. The variable is
+  removed, so that this process's own children do not inherit it. Elsewhere: nothing."""
+  parent = os.environ.pop(PARENT_PID_ENV, "")
+  if not parent.isdigit() or sys.platform != "linux":
+    return
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != int(parent):  # the launcher died before the death signal was set
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StopSignals:

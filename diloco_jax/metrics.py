@@ -145,15 +145,91 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def write_summary(workdir: str | os.PathLike, summary: dict) -> pathlib.Path:
+def write_summary(workdir: str | os.PathLike, summary: dict, resumed_fields: tuple[str, ...] | None = None
+                  ) -> dict:
+  """Write `summary` to `<workdir>/summary.json`; returns what it wrote. `resumed_fields`: the run was
+  resumed, and these figures of `summary` are this segment's alone: the summary written covers the whole run
+  (`whole_run`, with the summary an earlier segment left there)."""
   path = pathlib.Path(workdir) / "summary.json"
+  if resumed_fields is not None:
+    try:
+      summary = whole_run(json.loads(path.read_text()), summary, resumed_fields)
+    except (OSError, ValueError):
+      pass  # no earlier segment finished (or its summary is unreadable): this one is all there is
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True) + "\n")
   tmp.replace(path)  # atomic: a reader never sees half a summary
-  return path
+  return summary
 
 
-def progress(total: int, initial: int = 0, desc: str = "train", position: int = 0) -> tqdm:
-  """A progress bar on stderr; plain periodic lines when stderr is not a terminal (CI logs)."""
+def whole_run(previous: dict, summary: dict, fields: tuple[str, ...]) -> dict:
+  """The summary of a run resumed after `previous` (its summary so far) with this segment's `summary`: the
+  `fields` summed over the segments (wall time, bytes: each segment counts its own), `tokens_per_s` over
+  the whole run, the first segment's `initial_eval_loss`, and `segments`: each segment's `fields` and the
+  run's tokens at its end. Every other figure is this segment's (steps, versions and tokens: the run's so
+  far)."""
+  def own(s: dict) -> dict:
+    return {k: s[k] for k in ("tokens", *fields) if k in s}
+
+  out = dict(summary)
+  segments = previous.get("segments") or [own(previous)]
+  out["segments"] = [*segments, own(summary)]
+  for key in fields:
+    if isinstance(summary.get(key), (int, float)) and isinstance(previous.get(key), (int, float)):
+      out[key] = previous[key] + summary[key]
+  if out.get("initial_eval_loss") is None and previous.get("initial_eval_loss") is not None:
+    out["initial_eval_loss"] = previous["initial_eval_loss"]
+  if out.get("wall_s") and "tokens" in out:
+    out["tokens_per_s"] = out["tokens"] / out["wall_s"]
+  return out
+
+
+def progress(total: int, initial: int = 0, desc: str = "train", position: int = 0) -> tqdm | PlainProgress:
+  """A progress bar on stderr when it is a terminal, else `PlainProgress` (a log file gets lines, not a
+  bar's redraws). Before the first step it says that the step compiles (the bar would sit at 0 meanwhile)."""
+  if initial < total:
+    print(f"{desc}: compiling before the first step (minutes with a cold compilation cache, seconds with a "
+          "warm one)", file=sys.stderr, flush=True)
+  if not sys.stderr.isatty():
+    return PlainProgress(total, initial, desc)
   return tqdm(total=total, initial=initial, desc=desc, position=position, dynamic_ncols=True,
-              file=sys.stderr, mininterval=1.0 if sys.stderr.isatty() else 10.0, leave=True)
+              file=sys.stderr, mininterval=1.0, leave=True)
+
+
+class PlainProgress:
+  """A progress bar's interface (`update`, `set_postfix`, `n`, `close`) as plain lines on stderr: one at
+  most every `every_s` seconds of progress, and one at `close`."""
+
+  def __init__(self, total: int, initial: int = 0, desc: str = "train", every_s: float = 10.0,
+               clock: Callable[[], float] = time.monotonic):
+    self.total, self.n, self.desc, self.every_s = total, initial, desc, every_s
+    self._clock, self._initial = clock, initial
+    self._start = self._last = clock()
+    self._postfix: dict[str, Any] = {}
+    self._closed = False
+
+  def set_postfix(self, refresh: bool = False, **fields) -> None:
+    """Figures shown after the count on the next line (`refresh` is tqdm's; a line is written on progress)."""
+    del refresh
+    self._postfix = fields
+
+  def update(self, n: int = 1) -> None:
+    """`n` more done; a line when `every_s` passed since the last one."""
+    self.n += n
+    if n and self._clock() - self._last >= self.every_s:
+      self._line()
+
+  def _line(self) -> None:
+    now = self._clock()
+    self._last = now
+    elapsed = now - self._start
+    rate = (self.n - self._initial) / elapsed if elapsed > 0 else 0.0
+    extra = "".join(f", {k}={v}" for k, v in self._postfix.items())
+    print(f"{self.desc}: {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%) in {elapsed:.0f}s, "
+          f"{rate:.2f}/s{extra}", file=sys.stderr, flush=True)
+
+  def close(self) -> None:
+    """The last line (once)."""
+    if not self._closed:
+      self._closed = True
+      self._line()

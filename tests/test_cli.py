@@ -1,17 +1,106 @@
-"""No XLA_FLAGS by hand: on a CPU-only machine `train` (like `baseline` and `bench`) gives itself the fake
-CPU devices its config needs and says so; an explicit device count in XLA_FLAGS still wins. Each case runs
-in a fresh interpreter, the only place a device count can still be chosen."""
+"""The command-line edge (`diloco_jax/cli.py`). What a user sees for everyday mistakes: one line, exit 2,
+nothing written (a missing config file, a misspelled field); relative paths made absolute in one place;
+help without jax. And no XLA_FLAGS by hand: on a CPU-only machine `train` (like `baseline` and `bench`)
+gives itself the fake CPU devices its config needs and says so; an explicit device count in XLA_FLAGS still
+wins (those cases run `train` in a fresh interpreter, the only place a device count can still be chosen)."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+from absl import flags
 
 import helpers
-from diloco_jax import cli
+from diloco_jax import cli, commands
 
-pytestmark = pytest.mark.process  # each test runs `train` in a child process
+CONFIG = str(helpers.REPO / "configs" / "tiny_cpu.py")
+
+
+def _stderr_line(capsys) -> str:
+  """The one line a usage error printed (asserting it is one)."""
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1, lines
+  return lines[0]
+
+
+def _path_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "", flag_values=fv)
+  flags.DEFINE_multi_string("model", None, "", flag_values=fv)
+  flags.DEFINE_string("syncer-workdir", None, "", flag_values=fv)
+  flags.DEFINE_string("out", None, "", flag_values=fv)
+
+
+def test_relative_paths_are_absolute_from_the_edge_on(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  fv = cli.parse(["prog", "--config", CONFIG, "--workdir", "runs/x", "--model", "runs/a/model", "--model",
+                  "/abs/model", "--syncer-workdir", "s0, s1", "--out", "gs://bucket/m",
+                  "--config.data.path=notes.txt", "--config.data.train_files=t/a-*.array_record,gs://b/t-*",
+                  "--config.emulation.cutoff_file=cut_{learner}"], _path_flags)
+  assert fv.workdir == str(tmp_path / "runs" / "x")
+  assert cli.shown(fv.workdir) == "runs/x" and cli.shown("/abs/model") == "/abs/model"  # as the user gave them
+  assert fv.model == [str(tmp_path / "runs" / "a" / "model"), "/abs/model"]
+  assert fv["syncer-workdir"].value == f"{tmp_path / 's0'},{tmp_path / 's1'}"
+  assert fv.out == "gs://bucket/m"  # a URL stays as it is
+  c = fv.config
+  assert c.data.path == str(tmp_path / "notes.txt") and c.data.tokenizer == ""  # "" stays: the default
+  assert c.data.train_files == f"{tmp_path / 't' / 'a-*.array_record'},gs://b/t-*"
+  assert c.emulation.cutoff_file == str(tmp_path / "cut_{learner}")
+
+
+def test_a_config_file_that_does_not_exist_is_one_line(tmp_path, capsys):
+  for argv in (["--config", "configs/nope.py"], ["--config=configs/nope.py:arg"]):
+    with pytest.raises(SystemExit) as e:
+      commands.main(["python -m diloco_jax", "train", *argv, "--workdir", str(tmp_path / "run")])
+    assert e.value.code == 2
+    line = _stderr_line(capsys)
+    assert line.startswith("error: --config: no config file 'configs/nope.py'"), line
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_misspelled_field_is_one_line_without_stray_quotes(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.parse(["prog", "--config", CONFIG, "--config.train.stepz=3"])
+  assert e.value.code == 2
+  line = _stderr_line(capsys)
+  assert line == ("error: bad config override among ['--config.train.stepz']: no field 'stepz'; "
+                  'did you mean "steps" instead of "stepz"?'), line
+
+
+def test_config_shows_as_required_in_help(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.parse(["prog", "--help"], doc="a command")
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  assert "required" in text and "(default: 'None')" not in text.split("--config")[1].split("--")[0]
+
+
+def test_help_of_every_command_imports_no_jax():
+  """`-h` of every command, one after the other in a fresh interpreter: after each, jax is not loaded (the
+  stand-ins the help imports with are forgotten; a real jax would stay), and the help is the command's."""
+  code = ("import contextlib, io, json, sys\n"
+          "from diloco_jax import commands\n"
+          "out = {}\n"
+          "for path in json.loads(sys.argv[1]):\n"
+          "  buf = io.StringIO()\n"
+          "  try:\n"
+          "    with contextlib.redirect_stdout(buf):\n"
+          "      rc = commands.main(['python -m diloco_jax', *path, '-h'])\n"
+          "  except SystemExit as e:\n"
+          "    rc = e.code\n"
+          "  out[' '.join(path)] = [rc, 'jax' in sys.modules, buf.getvalue()]\n"
+          "print(json.dumps(out))\n")
+  paths = [["train"], ["local"], ["learner"], ["syncer"], ["eval"], ["sample"], ["export"], ["baseline"],
+           ["bench", "step"], ["bench", "quality"], ["sim", "sizing"]]
+  proc = subprocess.run([sys.executable, "-c", code, json.dumps(paths)], cwd=helpers.REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name, (rc, jax_loaded, text) in json.loads(proc.stdout).items():
+    assert rc == 0 and not jax_loaded, (name, rc)
+    assert text.startswith(f"usage: python -m diloco_jax {name} [flags]") and "--" in text, name
+  helps = json.loads(proc.stdout)
+  assert "--workdir" in helps["train"][2] and "--config" in helps["train"][2] and "--model" in helps["eval"][2]
 
 SMALL = ["--config", "configs/tiny_cpu.py", "--config.learners.num=2", "--config.learners.devices=1",
          "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.log_every=2",
@@ -33,6 +122,7 @@ def _train(tmp_path, xla_flags: str | None) -> subprocess.CompletedProcess:
                         timeout=helpers.PROCESS_TIMEOUT_S)
 
 
+@pytest.mark.process  # runs `train` in a child process
 def test_train_gives_itself_the_fake_devices_it_needs(tmp_path):
   proc = _train(tmp_path, None)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,6 +132,7 @@ def test_train_gives_itself_the_fake_devices_it_needs(tmp_path):
   assert (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.process  # runs `train` in a child process
 def test_an_explicit_device_count_wins(tmp_path):
   proc = _train(tmp_path, f"{cli.DEVICE_COUNT_FLAG}=1")
   assert proc.returncode == 2

@@ -57,3 +57,44 @@ def test_producers_share_the_tags_that_overlay():
 def test_ring_allreduce_bytes():
   assert metrics.ring_allreduce_bytes(1000, 1) == 0.0
   assert metrics.ring_allreduce_bytes(1000, 8) == 2 * 7 / 8 * 4000
+
+
+def test_off_a_terminal_progress_is_plain_periodic_lines(capsys):
+  """stderr is not a terminal under pytest: no bar (no carriage returns), a 'compiling' note before the
+  first step, then a line at most every `every_s` of progress and one at the end."""
+  bar = metrics.progress(100, initial=10, desc="learner 0")
+  assert isinstance(bar, metrics.PlainProgress)
+  now = [0.0]
+  bar = metrics.PlainProgress(100, initial=10, desc="learner 0", every_s=10.0, clock=lambda: now[0])
+  for _ in range(30):
+    now[0] += 1.0
+    bar.set_postfix(max_version=3, refresh=False)
+    bar.update(2)
+  bar.close()
+  bar.close()
+  err = capsys.readouterr().err
+  assert "\r" not in err
+  lines = err.strip().splitlines()
+  assert lines[0].startswith("learner 0: compiling before the first step")
+  assert lines[1:] == ["learner 0: 30/100 (30%) in 10s, 2.00/s, max_version=3",
+                       "learner 0: 50/100 (50%) in 20s, 2.00/s, max_version=3",
+                       "learner 0: 70/100 (70%) in 30s, 2.00/s, max_version=3",
+                       "learner 0: 70/100 (70%) in 30s, 2.00/s, max_version=3"]
+
+
+def test_a_resumed_runs_summary_covers_every_segment(tmp_path):
+  fields = ("wall_s", "bytes_sent")
+  first = {"tokens": 100, "wall_s": 10.0, "bytes_sent": 5, "initial_eval_loss": 6.0, "versions": [3]}
+  assert metrics.write_summary(tmp_path, first, resumed_fields=fields) == first  # nothing earlier: as is
+  second = {"tokens": 100, "wall_s": 2.0, "bytes_sent": 1, "initial_eval_loss": None, "versions": [4]}
+  written = metrics.write_summary(tmp_path, second, resumed_fields=fields)
+  third = metrics.write_summary(tmp_path, {**second, "tokens": 160, "wall_s": 4.0}, resumed_fields=fields)
+  assert json.loads((tmp_path / "summary.json").read_text()) == third
+  assert written["wall_s"] == 12.0 and written["bytes_sent"] == 6 and written["versions"] == [4]
+  assert written["initial_eval_loss"] == 6.0 and written["tokens_per_s"] == pytest.approx(100 / 12.0)
+  assert third["segments"] == [{"tokens": 100, "wall_s": 10.0, "bytes_sent": 5},
+                               {"tokens": 100, "wall_s": 2.0, "bytes_sent": 1},
+                               {"tokens": 160, "wall_s": 4.0, "bytes_sent": 1}]
+  assert third["wall_s"] == 16.0 and third["bytes_sent"] == 7 and third["tokens_per_s"] == 10.0
+  # Not resumed: the summary is replaced.
+  assert "segments" not in metrics.write_summary(tmp_path, first)

@@ -11,7 +11,7 @@ import pathlib
 import ml_collections
 
 from diloco_jax.config.resolve import as_config, resolve
-from diloco_jax.config.schema import base_config
+from diloco_jax.config.schema import ConfigError, base_config
 
 # Fields every process of one run must agree on: a learner whose fingerprint differs is refused.
 _FINGERPRINT_FIELDS = ("model", "data.seq_len", "outer.num_fragments", "outer.sync_every", "outer.codec",
@@ -55,6 +55,21 @@ def save_resolved(c, workdir: str | os.PathLike, run_id: str = "") -> pathlib.Pa
     tmp.write_text(text)
     tmp.replace(workdir / name)
   return workdir / CONFIG_FILE
+
+
+def check_workdir(c, workdir: str | os.PathLike, run_id: str = "") -> None:
+  """Raise ConfigError when `workdir` holds a run of another config or run id: a `fingerprint.txt` that is
+  not this run's (`fingerprint`). Call it before writing anything there: resuming a workdir is for the run
+  that made it, and its files must keep describing its checkpoints. A workdir without one passes."""
+  path = pathlib.Path(workdir) / FINGERPRINT_FILE
+  try:
+    saved = path.read_text().strip()
+  except (FileNotFoundError, NotADirectoryError):
+    return
+  mine = fingerprint(c, run_id)
+  if saved != mine:
+    raise ConfigError(f"{workdir} holds a run of another config or run id (fingerprint {saved}, this run's {mine}); "
+                      "use a new --workdir (or delete this one to start over)")
 
 
 def load_resolved(workdir: str | os.PathLike) -> ml_collections.ConfigDict:

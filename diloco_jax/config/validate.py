@@ -25,7 +25,36 @@ def _fail(field: str, message: str):
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, learners: bool = False) -> None:
   """Check a config; raise ConfigError naming the field. `learners`: also the fields of the learners, the
-  outer loop and the syncer (the baseline has none); `num_devices`: devices available to the job."""
+  outer loop and the syncer (the baseline has none); `num_devices`: devices available to the job. A
+  `data.global_batch` that does not split names the nearest larger one that does."""
+  try:
+    _validate(c, num_devices, learners)
+  except ConfigError as e:
+    if not str(e).startswith("config.data.global_batch:"):
+      raise
+    fits = _batch_that_splits(c, num_devices, learners)
+    raise ConfigError(f"{e}; e.g. --config.data.global_batch={fits}" if fits else str(e)) from None
+
+
+_BATCH_SEARCH = 64  # how many larger batches `_batch_that_splits` tries
+
+
+def _batch_that_splits(c: ml_collections.ConfigDict, num_devices: int | None, learners: bool) -> int | None:
+  """The smallest data.global_batch above `c`'s that every batch split of the config accepts (None if
+  none of the next _BATCH_SEARCH does): what the error suggests works as suggested."""
+  trial = ml_collections.ConfigDict(c.to_dict())
+  for batch in range(c.data.global_batch + 1, c.data.global_batch + 1 + _BATCH_SEARCH):
+    trial.data.global_batch = batch
+    try:
+      _validate(trial, num_devices, learners)
+    except ConfigError as e:
+      if str(e).startswith("config.data.global_batch:"):
+        continue
+    return batch
+  return None
+
+
+def _validate(c: ml_collections.ConfigDict, num_devices: int | None, learners: bool) -> None:
   _validate_model_and_data(c)
   t = c.train
   if t.steps < 1:
@@ -38,11 +67,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, le
   d = c.data
   if d.baseline_order not in BASELINE_ORDERS:
     _fail("data.baseline_order", f"must be one of {BASELINE_ORDERS}, got {d.baseline_order!r}")
-  # (With learners.device_counts, the learners' own shares must divide: `_validate_learner_set`.)
-  if (d.baseline_order == "learner_shards" and c.learners.num >= 1 and not c.learners.device_counts
-      and d.global_batch % c.learners.num):
+  # (With learners, their own shares must divide, whatever the baseline's order: `_validate_learner_set`.)
+  if (not learners and d.baseline_order == "learner_shards" and c.learners.num >= 1
+      and not c.learners.device_counts and d.global_batch % c.learners.num):
     _fail("data.global_batch", f"({d.global_batch}) must divide over learners.num ({c.learners.num}) "
-          "for data.baseline_order='learner_shards' (or set it to 'shuffled')")
+          "for data.baseline_order='learner_shards' (or --config.data.baseline_order=shuffled)")
   axes = _mesh_axes(c)
   fills = [k for k, v in axes.items() if v == -1]
   if len(fills) > 1:

@@ -201,7 +201,8 @@ class GlobalEvaluator:
     return self
 
   def stop(self, final: bool = True) -> dict | None:
-    """Stops the thread; with `final`, evaluates once more if the model moved since the last eval.
+    """Stops the thread; with `final`, evaluates once more if the model moved since the last eval, else
+    writes the last eval's record again marked final (`"repeat": true`): the last record is the final one.
     Returns the newest record."""
     self._stop.set()
     if self._thread is not None:
@@ -210,4 +211,9 @@ class GlobalEvaluator:
       _, versions = self.source.progress()
       if self.latest is None or versions != self.latest["versions"]:
         self.evaluate(final=True)
+      elif not self.latest["final"]:
+        self.latest = {**self.latest, "final": True, "repeat": True, "eval_s": 0.0,
+                       "elapsed_s": time.perf_counter() - self._t0}
+        if self.log is not None:
+          self.log.write(self.latest)
     return self.latest

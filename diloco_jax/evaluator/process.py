@@ -84,7 +84,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
       stop.wait(poll_s)
     before = evaluator.latest
     last = evaluator.stop(final=True)
-    evals += int(last is not before)
+    evals += int(last is not before and not last.get("repeat"))
   finally:
     metrics_log.close()
     transport.close()
@@ -102,6 +102,7 @@ def run_evaluator_process(argv) -> int:
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   config = cli.validated(fv.config, None, learners=True)
+  cli.check_workdir(config, fv.workdir, fv["run-id"].value)
   targets, token = client_flags.targets(fv), client_flags.token(fv)
   # A second signal exits at once: the final eval may be stuck on a dead syncer.
   with cli.StopSignals("evaluator", "a last eval, then exit", exiting=None) as signals:

@@ -96,6 +96,7 @@ class Comms:
                                                        thread_name_prefix=f"learner{learner_id}-comms")
     self._stop = threading.Event()
     self._leaving = threading.Event()  # left the quorum: heartbeats stop and never rejoin
+    self.joined = threading.Event()  # the syncer answered a join: until then there is nothing to flush
     self._heartbeat_s = heartbeat_s
     self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                        name=f"learner{learner_id}-heartbeat")
@@ -185,6 +186,7 @@ class Comms:
     """Joins the run; returns the current version of every fragment, with the syncer's epoch and history
     (empty from a transport that sends none). Starts the heartbeat."""
     versions = self.transport.join(self.learner_id, self.fingerprint)
+    self.joined.set()
     self._see(versions.epoch)
     if not self._heartbeat.is_alive():
       self._heartbeat.start()

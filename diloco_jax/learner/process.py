@@ -35,6 +35,7 @@ from diloco_jax.learner import loop as loop_lib
 from diloco_jax.learner import summary as summary_lib
 from diloco_jax.protocol.reasons import Rejected
 from diloco_jax.transports import client_flags, sharded
+from diloco_jax.transports import retry as retry_lib
 from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 
@@ -59,6 +60,12 @@ class ShutdownWatchdog:
   def _fire(self) -> None:
     print(f"learner: still waiting on the syncer {self.grace_s:g}s after the stop signal "
           "(comms.shutdown_grace_s): abandoning the syncs in flight", file=sys.stderr, flush=True)
+    self.fired.set()
+    self._abandon()
+
+  def fire_now(self, why: str) -> None:
+    """Abandon at once (a stop signal with nothing to wait for): says `why`."""
+    print(f"learner: stopping now: {why}", file=sys.stderr, flush=True)
     self.fired.set()
     self._abandon()
 
@@ -117,6 +124,10 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
     print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
           file=sys.stderr, flush=True)
+    if leader:
+      print(f"learner {learner_id}: joining the syncer at {','.join(targets)}: waiting until it answers (a line "
+            f"per retry; gives up after comms.unreachable_deadline_s = {config.comms.unreachable_deadline_s:g}s)",
+            file=sys.stderr, flush=True)
   summary, stopped, abandoned = _train(learner, transport, watch, metrics_log, quiet=quiet, t0=t0)
   if not leader:
     print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
@@ -165,9 +176,16 @@ def _train(learner: loop_lib.Learner, transport, watch, metrics_log, *, quiet: b
       transport.close()  # ends calls in flight and retry waits at once
 
   watchdog = ShutdownWatchdog(float(config.comms.shutdown_grace_s), abandon)
+
+  def on_signal():
+    if learner.comms is not None and not learner.comms.joined.is_set():
+      watchdog.fire_now("the syncer never answered, so there is nothing to flush")
+    else:
+      watchdog.arm()
+
   abandoned = False
   try:
-    with cli.StopSignals("learner", "stopping after this step", on_first=watchdog.arm,
+    with cli.StopSignals("learner", "stopping after this step", on_first=on_signal,
                          exiting="exiting without a final checkpoint") as stop:
       try:
         summary = loop_lib.run_learner(learner, on_step=(lambda: bar.update(1)) if bar else None,
@@ -219,6 +237,7 @@ def run_learner_process(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  retry_lib.log.setLevel(logging.INFO)  # a line per retry of an unreachable or busy syncer: what it waits for
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
   config = fv.config
   learner_id = fv["learner-id"].value
@@ -243,6 +262,7 @@ def run_learner_process(argv) -> int:
     multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
   # Validate as one learner of the run: the device total is checked in `run`, per process.
   config = cli.validated(config, sum(counts), learners=True)  # the run's RunSpec from here on
+  cli.check_workdir(config, fv.workdir, fv["run-id"].value)
   try:
     run(config, targets=targets, learner_id=learner_id, workdir=fv.workdir, token=client_flags.token(fv),
         run_id=fv["run-id"].value, num_devices=k, tls=client_flags.tls(fv), checkpoint_dir=fv["checkpoint-dir"].value)

@@ -91,12 +91,13 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
     summary["model"] = str(export_lib.export(
         pathlib.Path(workdir) / "model", config, trainer.state.params, source="baseline", steps=trainer.step,
         tokens=trainer.tokens, final_eval_loss=eval_loss))
-  metrics_lib.write_summary(workdir, summary)
+  # Resumed: the wall time is this segment's; the steps, tokens and bytes are the run's so far.
+  metrics_lib.write_summary(workdir, summary, resumed_fields=("wall_s",) if resumed else None)
   log.close()
   if not quiet:
     print(f"baseline done: eval loss {eval_loss:.4f}, {trainer.tokens:,} tokens in {wall:.1f}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {workdir}/summary.json"
-          + (f", model in {summary['model']}" if export else ""))
+          f"({summary['tokens_per_s']:,.0f} tokens/s); summary in {cli.shown(pathlib.Path(workdir) / 'summary.json')}"
+          + (f", model in {cli.shown(summary['model'])}" if export else ""))
     print(plot_lib.outputs(workdir, "baseline"))
   return summary
 
@@ -112,5 +113,6 @@ def train_baseline(argv) -> int:
   c = fv.config
   need = c.mesh.num_devices or c.learners.num * c.learners.devices
   config = cli.validated(c, len(cli.devices(need, "baseline")), learners=False)
+  cli.check_workdir(config, fv.workdir)
   run(config, fv.workdir, export=fv.export)
   return 0

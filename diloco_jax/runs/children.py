@@ -4,7 +4,6 @@ process with its log file (`runs/local.py`, `runs/launcher.py`)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pathlib
 import re
@@ -42,15 +41,8 @@ def child_env(num_devices: int) -> dict[str, str]:
   env["XLA_FLAGS"] = f"{xla} {_DEVICE_FLAG}={num_devices}".strip()
   env.setdefault("JAX_PLATFORMS", "cpu")
   env["PYTHONUNBUFFERED"] = "1"
+  env[cli.PARENT_PID_ENV] = str(os.getpid())  # the child asks for SIGTERM when this process dies
   return env
-
-
-def _die_with_parent() -> None:
-  """In the child, before exec: SIGTERM when the launcher dies (Linux), so no child outlives it."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    pass
 
 
 class Child:
@@ -59,9 +51,10 @@ class Child:
   def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: pathlib.Path):
     self.name, self.log_path = name, log_path
     self._log = open(log_path, "ab")
+    # No preexec_fn: with one, the fork runs jax's at-fork hook ("os.fork() ... will likely lead to a
+    # deadlock"); the child sets its own death signal instead (`cli.die_with_parent`, from PARENT_PID_ENV).
     self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
   @property
   def pid(self) -> int:
@@ -84,7 +77,9 @@ class Child:
       return self.proc.wait()
 
   def tail(self, lines: int = 25) -> str:
-    self._log.flush()
+    """The last `lines` lines of the child's log (closed or not: a failure is reported after `close`)."""
+    if not self._log.closed:
+      self._log.flush()
     try:
       text = self.log_path.read_bytes()[-16384:].decode(errors="replace")
     except OSError:

@@ -38,6 +38,8 @@ from diloco_jax.syncer.tape import Tape
 from diloco_jax.syncer.ticker import Ticker
 from diloco_jax.transports.inprocess import InProcessTransport
 
+SEGMENT_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "comm_bytes")  # each segment counts its own
+
 RUN_ID = "in-process"
 
 
@@ -167,13 +169,15 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=
         pathlib.Path(workdir) / "model", config, job.global_params(), source="train", run_id=RUN_ID,
         steps=config.train.steps, tokens=summary["tokens"], tokens_merged=summary["tokens_merged"],
         final_eval_loss=summary["final_eval_loss"], versions=summary["versions"]))
-  metrics_lib.write_summary(workdir, summary)
+  # Resumed: the wall time and the bytes are this segment's; the summary covers every segment.
+  summary = metrics_lib.write_summary(workdir, summary, resumed_fields=SEGMENT_FIELDS if job.resumed else None)
   if not quiet:
     print(f"train done: global eval loss {summary['final_eval_loss']:.4f}"
           + (f" (from {initial_eval:.4f})" if initial_eval is not None else "")
           + f", {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, {summary['outer_rounds']} outer rounds, "
-          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
-          + (f", model in {summary['model']}" if export else ""))
+          f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in "
+          f"{cli.shown(pathlib.Path(workdir) / 'summary.json')}"
+          + (f", model in {cli.shown(summary['model'])}" if export else ""))
     print(plot_lib.outputs(workdir, "train"))
   return summary
 
@@ -272,5 +276,6 @@ def train(argv) -> int:
   counts = config_lib.resolve(c).learners.device_counts  # sized before validating (resolve never raises)
   need = sum(counts) + counts[0]
   config = cli.validated(c, len(cli.devices(need, "train")), learners=True)
+  cli.check_workdir(config, fv.workdir, RUN_ID)
   run(config, fv.workdir, export=fv.export, tape=Tape(fv["record-tape"].value) if fv["record-tape"].value else None)
   return 0

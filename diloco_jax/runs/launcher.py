@@ -202,7 +202,7 @@ class Launcher:
           bar.set_postfix(alive=sum(c.poll() is None for c in self.learners), max_version=max_version,
                           **({"global_eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}),
                           refresh=False)
-          # update() draws at tqdm's interval (10 s when stderr is a log file, not a terminal).
+          # update() draws at most once a second (a line every 10 s when stderr is not a terminal).
           bar.update(sum(min(p["step"], steps) for p in progress) - bar.n)
         if all(c.poll() == 0 for c in self.learners):
           return

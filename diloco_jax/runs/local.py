@@ -35,6 +35,9 @@ from diloco_jax.runs import plots as plot_lib
 from diloco_jax.runs.launcher import Launcher
 
 EXIT_FAILED = cli.EXIT_FAILED
+# The figures of a summary that each segment of a resumed run counts for itself (the rest are the run's so far).
+SEGMENT_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "payload_bytes_sent", "payload_bytes_received",
+                  "comm_bytes")
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -109,10 +112,11 @@ def launch(argv) -> int:
   # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.
   os.environ.update({k: v for k, v in children_lib.child_env(counts[0]).items()
                      if k in ("XLA_FLAGS", "JAX_PLATFORMS")})
-  workdir = pathlib.Path(fv.workdir).resolve()
+  workdir = pathlib.Path(fv.workdir)
+  run_id = fv["run-id"].value
+  cli.check_workdir(config, workdir, run_id)  # before anything is written there
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
   children_lib.write_token(workdir / "token")
-  run_id = fv["run-id"].value
   config_lib.save_resolved(config, workdir, run_id)
   # A signal (any number of them) stops the children in order (`Launcher.stop_all`); the launcher says so after.
   with cli.StopSignals("local", doing=None, exit_on_second=False) as signals:
@@ -126,7 +130,9 @@ def launch(argv) -> int:
           f"logs in {workdir / 'logs'}", file=sys.stderr, flush=True)
     status, failed, codes = _run_children(launcher, with_evaluator=fv.eval)
     if failed is not None:
-      print(f"local: {failed}; last lines of {failed.child.log_path}:\n{failed.child.tail()}", file=sys.stderr)
+      tail = (f"; last lines of {failed.child.log_path}:\n{failed.child.tail()}"
+              if isinstance(failed, children_lib.ChildFailed) else "")
+      print(f"local: {failed}{tail}", file=sys.stderr)
       return EXIT_FAILED
     if launcher.signals:
       print(f"local: stopped by signal {launcher.signals[0]}; children exited {codes}", file=sys.stderr)
@@ -170,7 +176,7 @@ def _run_children(launcher: Launcher, *, with_evaluator: bool) -> tuple:
       launcher.watch()
     if not launcher.signals:
       status = launcher.syncer_status()
-  except children_lib.ChildFailed as e:
+  except RuntimeError as e:  # a child failed (ChildFailed), or the syncer never served
     failed = e
   finally:
     codes = launcher.stop_all()
@@ -193,11 +199,15 @@ def _finish(launcher: Launcher, status: dict | None, codes: dict, t0: float, *, 
     summary["final_eval_loss"] = evaluate_global(config, launcher.syncer_dirs(), run_id, export_dir)
     if export_dir is not None and summary["final_eval_loss"] is not None:
       summary["model"] = str(export_dir)
-  metrics_lib.write_summary(workdir, summary)
+  # A rerun resumes the run: its summary covers every segment (an earlier one left summary.json).
+  summary = metrics_lib.write_summary(workdir, summary, resumed_fields=SEGMENT_FIELDS)
   loss = summary.get("final_eval_loss")
-  print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, versions {summary.get('versions')}, "
+  segments = f" over {len(summary['segments'])} segments" if "segments" in summary else ""
+  print(f"local done: {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s{segments}, "
+        f"versions {summary.get('versions')}, "
         + (f"global eval loss {loss:.4f}, " if loss is not None else "")
-        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in {workdir}/summary.json"
-        + (f", model in {summary['model']}" if "model" in summary else ""),
+        + f"{summary['comm_bytes'] / 2**20:.2f} MiB per learner on the wire; summary in "
+        + cli.shown(workdir / "summary.json")
+        + (f", model in {cli.shown(summary['model'])}" if "model" in summary else ""),
         file=sys.stderr)
   print(plot_lib.outputs(workdir, "local"), file=sys.stderr)

@@ -17,6 +17,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+from diloco_jax import cli
 from diloco_jax import metrics as metrics_lib
 
 FIGURES = ("eval_loss", "step_rate", "versions", "bytes")
@@ -128,7 +129,9 @@ def _step_rate(ax, runs: Sequence[Run]) -> bool:
     for j, (name, records) in enumerate(series):
       points = _rates(records, t0)
       if points:
-        ax.plot(*zip(*points), ls=styles[i % len(styles)], color=f"C{j}", marker=".",
+        # A colour per learner (as in bytes.png); a baseline in black, never a learner's colour.
+        ax.plot(*zip(*points), ls=styles[i % len(styles)], color="k" if run.kind == "baseline" else f"C{j}",
+                marker=".",
                 label=f"{run.path.name}: {name.replace('_', ' ')}")
         drawn = True
   ax.set_xlabel("wall time since the run's first record (s)")
@@ -172,6 +175,7 @@ def _dp_reference(run: Run) -> tuple[str, list[tuple[float, float]]] | None:
 
 def _bytes(ax, runs: Sequence[Run]) -> bool:
   drawn = False
+  styles = ["-", "--", ":", "-."]
   baselines = [r for r in runs if r.kind == "baseline"]
   for i, run in enumerate(runs):
     if run.kind == "baseline":
@@ -184,9 +188,9 @@ def _bytes(ax, runs: Sequence[Run]) -> bool:
     for j, (_, records) in enumerate(learners):
       # A learner reads 1/M of the run's batch: its tokens times M are the run's.
       points = [(r["tokens"] * len(learners), r["comm_bytes"]) for r in records if r.get("comm_bytes")]
-      if points:
-        ax.plot(*zip(*points), color=f"C{i}", alpha=0.5 + 0.5 / (j + 1), lw=1,
-                label=f"{run.path.name}: per learner" if j == 0 else None)
+      if points:  # a colour per learner, as in the step rates; a line style per run
+        ax.plot(*zip(*points), color=f"C{j}", ls=styles[i % len(styles)], lw=1,
+                label=f"{run.path.name}: learner {j}")
         drawn = True
     reference = None if baselines else _dp_reference(run)
     if reference is not None and drawn:
@@ -227,10 +231,11 @@ def outputs(workdir: str | pathlib.Path, command: str) -> str:
   workdir = pathlib.Path(workdir)
   try:
     written = write_plots([workdir], workdir / "plots")
-    plots = f"plots: {', '.join(str(p) for p in written)}" if written else "plots: nothing to plot yet"
+    plots = f"plots: {', '.join(cli.shown(p) for p in written)}" if written else "plots: nothing to plot yet"
   except Exception as e:  # noqa: BLE001 - a figure must not fail the run that produced the data
     plots = f"{command}: could not write the plots: {type(e).__name__}: {e}"
-  return (f"TensorBoard logs: {workdir} (view: tensorboard --logdir {workdir}; "
+  where = cli.shown(workdir)
+  return (f"TensorBoard logs: {where} (view: tensorboard --logdir {where}; "
           f"overlay runs: --logdir of their parent directory)\n{plots} "
-          f"(others: python -m diloco_jax plot {workdir} [RUN ...])")
+          f"(others: python -m diloco_jax plot {where} [RUN ...])")
 

@@ -17,8 +17,10 @@ HOST0:PORT0,HOST1:PORT1`. docs/operations.md, "A sharded syncer".
 
 from __future__ import annotations
 
+import errno
 import logging
 import pathlib
+import socket
 import threading
 
 from absl import flags
@@ -119,6 +121,7 @@ def _checked(fv):
   try:
     token = run_token.read_token(fv["token-file"].value)
     check_bind(fv.bind, allow_remote=fv["allow-remote"].value, tls=tls)
+    check_port_free(fv.bind)
   except (OSError, ValueError) as e:
     raise cli.UsageError(f"syncer: {e}") from None
   shard, shards = fv.shard, fv.shards
@@ -126,6 +129,24 @@ def _checked(fv):
     raise cli.UsageError(f"syncer: --shard ({shard}) must be in [0, --shards) and --shards ({shards}) in "
                          f"[1, outer.num_fragments={config.outer.num_fragments}]")
   return config, token, tls
+
+
+def check_port_free(bind: str) -> None:
+  """Raise ValueError when the port of `bind` (host:port; 0: any free one, always fine) is taken on its
+  host, naming the fix: checked before the syncer writes anything (gRPC would only fail at serving)."""
+  host, _, port = bind.rpartition(":")
+  host = host.strip("[]")
+  if not port.isdigit() or int(port) == 0:
+    return
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to serve on
+    try:
+      sock.bind((host or "0.0.0.0", int(port)))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # e.g. a host name this check cannot bind: gRPC says what it makes of it
+      raise ValueError(f"--bind {bind}: the port is in use (another syncer?); stop what holds it or choose "
+                       "another port (--bind HOST:0 picks a free one)") from None
 
 
 def _restored(config, fv, workdir: pathlib.Path):
@@ -196,6 +217,8 @@ def run_syncer_process(argv) -> int:
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines (several per checkpoint)
   config, token, tls = _checked(fv)
   workdir = pathlib.Path(fv.workdir)
+  if fv.resume:  # a fresh start (--no-resume) may reuse another run's workdir
+    cli.check_workdir(config, workdir, fv["run-id"].value)
   workdir.mkdir(parents=True, exist_ok=True)
   config_lib.save_resolved(config, workdir, fv["run-id"].value)
   core, fingerprint, ckpt, journal = _restored(config, fv, workdir)

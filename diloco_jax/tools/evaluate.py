@@ -145,6 +145,6 @@ def evaluate_models(argv) -> int:
     if fv.json:
       print(json.dumps({"model": model_dir, "data": on, **result.to_dict()}))
     else:
-      print(f"{model_dir}: {result.nats_per_token:.4f} nats/token, {result.bits_per_byte:.4f} bits/byte over "
-            f"{result.tokens:,} tokens ({result.bytes:,} bytes) of {on}")
+      print(f"{cli.shown(model_dir)}: {result.nats_per_token:.4f} nats/token, {result.bits_per_byte:.4f} "
+            f"bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes) of {cli.shown(on)}")
   return 0

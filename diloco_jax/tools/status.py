@@ -132,5 +132,5 @@ def show_status(argv) -> int:
   except KeyboardInterrupt:
     return 0
   except (SyncerUnreachable, AuthError, SyncerError) as e:
-    print(f"status: {e}", file=sys.stderr)
+    print(cli.prefixed("status", e), file=sys.stderr)
     return 1

@@ -34,7 +34,9 @@ def targets(fv: flags.FlagValues) -> list[str]:
 def token(fv: flags.FlagValues) -> str:
   try:
     return run_token.read_token(fv["token-file"].value)
-  except (OSError, ValueError) as e:
+  except OSError as e:
+    raise cli.UsageError(f"--token-file: cannot read {e.filename!r}: {e.strerror}") from None
+  except ValueError as e:
     raise cli.UsageError(str(e)) from None
 
 

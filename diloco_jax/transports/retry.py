@@ -103,6 +103,7 @@ class Retrier:
                                   f"last: {failure.status} {shorten(failure.details or '', 200)})") from None
         with self._lock:
           self._retries += 1
-        log.info("%s: syncer %s answered %s, retrying in %.2fs", name, self.target, failure.status, delay)
+        log.info("%s: syncer %s: %s, retrying in %.1fs (waited %.1fs of %gs)", name, self.target, failure.status,
+                 delay, waited, self.deadline_s)
         self._sleep(delay * random.uniform(0.8, 1.2))
         delay = min(delay * 2, self.max_backoff_s)

@@ -258,3 +258,25 @@ def test_config_validates_speeds_and_device_counts(tiny_config):
   d.data.global_batch = 16
   with pytest.raises(config_lib.ConfigError, match="eval batch 16"):
     config_lib.validate(d, 4, learners=True)  # 12 sequences split over 3 devices, the eval batch not
+
+
+@pytest.mark.parametrize("learners", [True, False])
+def test_a_batch_that_does_not_split_names_one_that_does(tiny_config, learners):
+  """Three learners and a batch of 16: the error's suggestion, applied, validates (the learners' commands
+  and the baseline's alike); the baseline's other way out, the shuffled order, too."""
+  c = tiny_config
+  c.learners.num = 3
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c, 8, learners=learners)
+  message = str(e.value)
+  assert message.startswith("config.data.global_batch: (16) must divide over learners.num (3)"), message
+  suggested = int(message.rsplit("--config.data.global_batch=", 1)[1])
+  assert suggested > 16
+  c.data.global_batch = suggested
+  config_lib.validate(c, 8, learners=learners)
+  if not learners:
+    assert "--config.data.baseline_order=shuffled" in message
+    c.data.global_batch, c.data.baseline_order = 16, "shuffled"
+    config_lib.validate(c, 8, learners=False)
+  else:
+    assert "shuffled" not in message  # it would not help: each learner's share must divide

@@ -264,6 +264,33 @@ def test_sigterm_ends_a_learner_stuck_on_a_dead_syncer_with_its_checkpoint(tmp_p
   assert "abandoning the syncs in flight" in run.log("learner_0")
 
 
+def test_a_learner_without_a_syncer_says_what_it_waits_for_and_stops_at_once(tmp_path):
+  """No syncer at the address: the learner says it is joining and waits, logs a line per retry with a
+  growing delay, and a SIGTERM then stops it at once (nothing to flush), not after comms.shutdown_grace_s."""
+  grace = 30.0
+  run = Run(tmp_path, overrides(steps=20, **{"comms.max_backoff_s": 1.0, "comms.shutdown_grace_s": grace}))
+  port = free_port()
+  run.ports[0] = port  # nothing listens there
+  try:
+    learner = run.learner(0)
+    wait_for(lambda: run.log("learner_0").count("retrying in") >= 4 or learner.poll() is not None,
+             "learner 0 to retry its join", TIMEOUT_S)
+    start = time.monotonic()
+    learner.send_signal(signal.SIGTERM)
+    rc = learner.wait(grace + 30)
+    took = time.monotonic() - start
+  finally:
+    run.kill_all()
+  log = run.log("learner_0")
+  assert rc == 0 and took < 10, (rc, took, log)
+  assert f"learner 0: joining the syncer at 127.0.0.1:{port}: waiting until it answers" in log
+  delays = [float(line.split("retrying in ")[1].split("s")[0]) for line in log.splitlines()
+            if f"join: syncer 127.0.0.1:{port}: UNAVAILABLE, retrying in" in line]
+  assert len(delays) >= 4 and delays == sorted(delays) and delays[-1] > delays[0], delays
+  assert "stopping now: the syncer never answered" in log and "\r" not in log
+  assert run.summary(0)["stopped_by_signal"] and run.summary(0)["steps"] == 0
+
+
 def _children(pid: int) -> list[psutil.Process]:
   try:
     return psutil.Process(pid).children(recursive=True)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -144,10 +145,11 @@ def test_eval_on_a_text_file_is_the_forward_pass_over_every_token(run, request, 
 def test_eval_command_compares_two_models_on_one_text(diloco_run, baseline_run, tmp_path):
   path = _text_file(tmp_path)
   models = [diloco_run[1] / "model", baseline_run[1] / "model"]
-  argv = [sys.executable, "-m", "diloco_jax", "eval", *[f"--model={m}" for m in models], "--data", str(path),
-          "--json"]
-  proc = subprocess.run(argv, cwd=helpers.REPO, capture_output=True, text=True, timeout=240,
-                        env=run_children.child_env(2))
+  # Relative paths, as the README's examples give them (orbax itself takes only absolute ones).
+  argv = [sys.executable, "-m", "diloco_jax", "eval", *[f"--model={os.path.relpath(m, tmp_path)}" for m in models],
+          "--data", path.name, "--json"]
+  proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                        env={**run_children.child_env(2), "PYTHONPATH": str(helpers.REPO)})
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   assert [r["model"] for r in rows] == [str(m) for m in models]
@@ -201,10 +203,10 @@ def test_temperature_sampling_draws_by_seed(diloco_run):
 
 @pytest.mark.process
 def test_sample_command_continues_the_prompt(baseline_run):
-  argv = [sys.executable, "-m", "diloco_jax", "sample", "--model", str(baseline_run[1] / "model"), "--prompt",
-          "def ", "--max-tokens", "20"]
-  proc = subprocess.run(argv, cwd=helpers.REPO, capture_output=True, text=True, timeout=240,
-                        env=run_children.child_env(1))
+  argv = [sys.executable, "-m", "diloco_jax", "sample", "--model", "model", "--prompt", "def ", "--max-tokens",
+          "20"]
+  proc = subprocess.run(argv, cwd=baseline_run[1], capture_output=True, text=True, timeout=240,  # a relative
+                        env={**run_children.child_env(1), "PYTHONPATH": str(helpers.REPO)})  # --model, as in README
   assert proc.returncode == 0, proc.stderr[-3000:]
   model = export.load(baseline_run[1] / "model")
   prompt = np.concatenate([[model.tokenizer.eos_id], model.tokenizer.encode("def ")])

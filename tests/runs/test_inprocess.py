@@ -7,6 +7,9 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
+from diloco_jax import commands
+from diloco_jax import config as config_lib
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.runs import inprocess
@@ -110,3 +113,18 @@ def test_a_front_loaded_learner_syncs_on_its_schedule_and_no_push_is_refused(tin
   job.close()
   assert core.counters["contributions_rejected"] == 0
   assert core.counters["contributions_accepted"] == len(snapshots)
+
+
+def test_train_on_a_workdir_of_another_config_is_one_line_and_writes_nothing(tiny_config, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  tiny_config.learners.num = 2  # another run: learners.num enters the fingerprint
+  config_lib.save_resolved(tiny_config, workdir, inprocess.RUN_ID)
+  before = {p.name: p.read_bytes() for p in workdir.iterdir()}
+  with pytest.raises(SystemExit) as e:
+    commands.main(["python -m diloco_jax", "train", "--config", str(helpers.REPO / "configs" / "tiny_cpu.py"),
+                   "--workdir", str(workdir)])
+  assert e.value.code == 2
+  lines = [line for line in capsys.readouterr().err.splitlines() if "fake CPU devices" not in line]
+  assert len(lines) == 1 and lines[0].startswith(f"error: {workdir} holds a run of another config"), lines
+  assert "use a new --workdir" in lines[0]
+  assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before

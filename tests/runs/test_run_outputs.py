@@ -2,6 +2,7 @@
 the global model's eval curve, TensorBoard event files whose tags overlay, and the `plot` command's PNGs."""
 
 import json
+import shutil
 
 import jax
 import matplotlib.image
@@ -66,6 +67,40 @@ def test_the_global_model_is_evaluated_along_the_run(runs):
   marks = [r["step"] // config.train.eval_every for r in records if not r["final"]]
   assert marks == sorted(set(marks)) and len(records) >= 2
   assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+  assert records[-1]["final"]
+
+
+def test_rerunning_a_finished_run_keeps_the_whole_runs_summary(runs, tmp_path):
+  """A rerun on the same workdir resumes and has nothing left to train: its summary covers both segments
+  (wall time and bytes summed), never the no-op's figures alone; the global curve still ends final."""
+  workdir = tmp_path / "diloco"
+  shutil.copytree(runs["root"] / "diloco", workdir)
+  first = json.loads((workdir / "summary.json").read_text())
+  again = inprocess.run(runs["config"], str(workdir), quiet=True, export=False)
+  saved = json.loads((workdir / "summary.json").read_text())
+  assert saved == json.loads(json.dumps(again))
+  assert [s["wall_s"] for s in saved["segments"]][0] == first["wall_s"] and len(saved["segments"]) == 2
+  assert saved["wall_s"] == pytest.approx(first["wall_s"] + saved["segments"][1]["wall_s"])
+  assert saved["bytes_sent"] >= first["bytes_sent"] and saved["comm_bytes"] >= first["comm_bytes"]
+  assert saved["tokens"] == first["tokens"] and saved["initial_eval_loss"] == first["initial_eval_loss"]
+  assert saved["final_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=1e-6)
+  records = [json.loads(line) for line in (workdir / "global" / "metrics.jsonl").read_text().splitlines()]
+  assert records[-1]["final"] and records[-1]["versions"] == saved["versions"]
+
+
+def test_one_colour_and_legend_entry_per_learner_and_a_baseline_in_its_own(runs):
+  plt = plot._pyplot()
+  loaded = [plot.load_run(runs["root"] / "diloco"), plot.load_run(runs["root"] / "dp")]
+  for draw in (plot._bytes, plot._step_rate):
+    fig, ax = plt.subplots()
+    assert draw(ax, loaded)
+    lines = {line.get_label(): line.get_color() for line in ax.get_lines()}
+    learners = {label: colour for label, colour in lines.items() if "learner" in label and "diloco" in label}
+    assert sorted(learners) == ["diloco: learner 0", "diloco: learner 1"], lines
+    assert len(set(learners.values())) == 2
+    dp = [colour for label, colour in lines.items() if label.startswith("dp:")]
+    assert dp and not set(dp) & set(learners.values()), lines
+    plt.close(fig)
 
 
 def test_tensorboard_tags_overlay_baseline_and_diloco(runs):

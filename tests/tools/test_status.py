@@ -123,6 +123,8 @@ def test_status_command_with_a_wrong_token_says_so(served):
   _, handle = served
   proc = _status_command(handle.port, token="not-the-token")
   assert proc.returncode == 1 and "token" in proc.stderr and proc.stdout == ""
+  line = proc.stderr.strip()
+  assert line.startswith("status: syncer refused the run token") and "status: status:" not in line, line
 
 
 def test_status_watch_redraws_until_interrupted(served):
