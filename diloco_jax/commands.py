@@ -3,20 +3,14 @@
 Each entry names the function that runs the command ("module:function", called with the command's argv,
 argv[0] being e.g. "python -m diloco_jax bench step") and one line of help. A module is imported only when
 its command runs, so `--help` of the table imports no jax. `bench` and `sim` are groups of subcommands.
-`python -m diloco_jax <command> --help` lists a command's flags, its module imported with stand-ins for
-jax and its kin (`_help_imports`): the help is the module's own, in a fraction of a second.
+`python -m diloco_jax <command> --help` lists a command's flags.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
-import types
-from unittest import mock
 
 from diloco_jax import cli
 
@@ -147,72 +141,6 @@ def resolve(target: str):
   return getattr(importlib.import_module(module), function)
 
 
-# What a command module imports only to run (never to define its flags): stood in for while printing help.
-_HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "array_record", "sentencepiece")
-
-
-class _StandIn(types.ModuleType):
-  """A module of `_HEAVY` while help is printed: any attribute is a MagicMock (decorators, base classes and
-  constants at module level evaluate; none of them is called for the help)."""
-
-  def __getattr__(self, name: str):
-    if name.startswith("__"):
-      raise AttributeError(name)
-    value = mock.MagicMock(name=f"{self.__name__}.{name}")
-    setattr(self, name, value)
-    return value
-
-
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """Finds every module of `_HEAVY` as a `_StandIn`."""
-
-  def find_spec(self, name, path=None, target=None):
-    del path, target
-    return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] in _HEAVY else None
-
-  def create_module(self, spec):
-    module = _StandIn(spec.name)
-    module.__path__ = []
-    return module
-
-  def exec_module(self, module):
-    pass
-
-
-@contextlib.contextmanager
-def _help_imports():
-  """Imports inside see `_HEAVY` as stand-ins (unless jax is loaded already: nothing to save); afterwards the
-  stand-ins and every module imported inside that holds one (the package's, at least) are forgotten, so a
-  later import in this interpreter is the real one. Other modules imported inside (numpy) stay: loaded once."""
-  if "jax" in sys.modules:
-    yield
-    return
-  before, finder = set(sys.modules), _StandIns()
-  sys.meta_path.insert(0, finder)
-  try:
-    yield
-  finally:
-    sys.meta_path.remove(finder)
-    for name in set(sys.modules) - before:
-      module = sys.modules[name]
-      if (isinstance(module, _StandIn) or name.split(".")[0] == "diloco_jax"
-          or any(isinstance(v, (_StandIn, mock.Mock)) for v in list(vars(module).values()))):
-        del sys.modules[name]
-
-
-def _run(target: str, argv: list[str]) -> int:
-  """Run the command function `target` names with `argv`; its --help with `_help_imports` (every command
-  parses its flags first, and prints its help and exits there; should a module fail to import with the
-  stand-ins, it is imported for real)."""
-  if any(a in cli.HELP_FLAGS for a in argv[1:]):
-    try:
-      with _help_imports():
-        resolve(target)(argv)  # exits (SystemExit) once the help is printed
-    except Exception:  # noqa: BLE001 - a module the stand-ins cannot import: its help the slow way
-      pass
-  return resolve(target)(argv) or 0
-
-
 def dispatch(program: str, args: list[str], commands: dict[str, Command | Group], *, help_: str = "",
              epilog: str = "", what: str = "command") -> int:
   """Runs `args[0]`'s entry of `commands` with argv `[f"{program} {args[0]}"] + args[1:]`; prints the
@@ -228,7 +156,7 @@ def dispatch(program: str, args: list[str], commands: dict[str, Command | Group]
   if isinstance(entry, Group):
     return dispatch(f"{program} {name}", rest, entry.commands, help_=entry.help, epilog=entry.epilog,
                     what=entry.what)
-  return _run(entry.target, [f"{program} {name}"] + rest)
+  return resolve(entry.target)([f"{program} {name}"] + rest) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

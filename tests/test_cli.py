@@ -1,6 +1,6 @@
 """The command-line edge (`diloco_jax/cli.py`). What a user sees for everyday mistakes: one line, exit 2,
 nothing written (a missing config file, a misspelled field); relative paths made absolute in one place;
-help without jax. And no XLA_FLAGS by hand: on a CPU-only machine `train` (like `baseline` and `bench`)
+the help of every command. And no XLA_FLAGS by hand: on a CPU-only machine `train` (like `baseline` and `bench`)
 gives itself the fake CPU devices its config needs and says so; an explicit device count in XLA_FLAGS still
 wins (those cases run `train` in a fresh interpreter, the only place a device count can still be chosen)."""
 
@@ -76,9 +76,9 @@ def test_config_shows_as_required_in_help(capsys):
   assert "required" in text and "(default: 'None')" not in text.split("--config")[1].split("--")[0]
 
 
-def test_help_of_every_command_imports_no_jax():
-  """`-h` of every command, one after the other in a fresh interpreter: after each, jax is not loaded (the
-  stand-ins the help imports with are forgotten; a real jax would stay), and the help is the command's."""
+def test_help_of_every_command_is_its_own():
+  """`-h` of every command, one after the other in a fresh interpreter: exit 0, a usage line, the command's
+  own flags."""
   code = ("import contextlib, io, json, sys\n"
           "from diloco_jax import commands\n"
           "out = {}\n"
@@ -96,8 +96,8 @@ def test_help_of_every_command_imports_no_jax():
   proc = subprocess.run([sys.executable, "-c", code, json.dumps(paths)], cwd=helpers.REPO, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for name, (rc, jax_loaded, text) in json.loads(proc.stdout).items():
-    assert rc == 0 and not jax_loaded, (name, rc)
+  for name, (rc, _, text) in json.loads(proc.stdout).items():
+    assert rc == 0, (name, rc)
     assert text.startswith(f"usage: python -m diloco_jax {name} [flags]") and "--" in text, name
   helps = json.loads(proc.stdout)
   assert "--workdir" in helps["train"][2] and "--config" in helps["train"][2] and "--model" in helps["eval"][2]
