@@ -2,7 +2,8 @@
 # Where the run stands: each learner slice's state, whether its supervisor runs, how often it restarted its
 # learner (with the last error line) and the last lines of its log on every worker, and the syncer's (every
 # shard's) versions, members and counters (python -m diloco_jax status on the syncer VM, over loopback, with
-# the learner's certificate under mutual TLS). Exit status 1 if a process does not run or was restarted.
+# the learner's certificate under mutual TLS). Exit status 1 if a slice is not ACTIVE, or a process does not run
+# or was restarted.
 #
 #   launch/tpu/status.sh [--dry-run]
 #
@@ -27,6 +28,7 @@ show_workers() {
 for i in "${!L_NODE[@]}"; do
   state=$(qr_state "$i")
   echo "learner $i: ${L_NODE[i]} (${L_ACCEL[i]}, ${L_ZONE[i]}, ${L_CAPACITY[i]}): ${state:-no queued resource}"
+  [[ $state == ACTIVE ]] || ((DRY_RUN)) || FAILED=1  # preempted, failed or waiting: heal.sh
   if [[ $state == ACTIVE ]] || ((DRY_RUN)); then
     on_tpu status "${L_NODE[i]}" "${L_ZONE[i]}" "$(host_cmd status learner)" || FAILED=1
     show_workers "${L_NODE[i]}"

@@ -240,9 +240,10 @@ def test_create_then_start_two_learners_v5p_and_v6e(cloud):
     deploy = [i for i in _find(calls, "compute", "tpus", "tpu-vm", "ssh") if calls[i][4] == node]
     assert len(ship) == 1 and len(deploy) == 1 and max(qr_creates) < ship[0] < deploy[0]
     assert any(a.endswith("code.tgz") for a in calls[ship[0]]) and any(a.endswith("host.sh") for a in calls[ship[0]])
-    assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz tpu 3.11" in _flag(calls[deploy[0]], "command")
+    # jax[tpu] and gcsfs (gs:// checkpoints, data and the logs' copy) on every TPU host.
+    assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz tpu,gcs 3.11" in _flag(calls[deploy[0]], "command")
   (syncer_deploy,) = (calls[i] for i in _find(calls, "compute", "ssh"))
-  assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz '' 3.11" in _flag(syncer_deploy, "command")
+  assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz gcs 3.11" in _flag(syncer_deploy, "command")
 
   cloud.clear_calls()
   _ok(cloud.run("start.sh", "--no-deploy"))
@@ -259,11 +260,14 @@ def test_create_then_start_two_learners_v5p_and_v6e(cloud):
   assert "--config.learners.num=2" in start_syncer and f"--run-id {RUN}" in start_syncer
   starts = {c[4]: _flag(c, "command") for c in calls if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]}
   # Learner 0 spans the 2 hosts of its v5p-16: the coordinator is its worker 0, 2 processes; learner 1 is one host.
-  assert "start-learner 10.0.0.2:8476 2 -- " in starts[f"{RUN}-l0"]
-  assert "start-learner - 1 -- " in starts[f"{RUN}-l1"]
+  assert f"start-learner 10.0.0.2:8476 2 gs://test-bucket/runs/{RUN}/learner_0 -- " in starts[f"{RUN}-l0"]
+  assert "--init-timeout-s 300" in starts[f"{RUN}-l0"] and "--init-timeout-s" not in starts[f"{RUN}-l1"]
+  assert f"start-learner - 1 gs://test-bucket/runs/{RUN}/learner_1 -- " in starts[f"{RUN}-l1"]
   for i, node in enumerate((f"{RUN}-l0", f"{RUN}-l1")):
     assert f"--syncer 10.200.0.2:50051 --learner-id {i}" in starts[node]
-    assert f"--workdir gs://test-bucket/runs/{RUN}/learner_{i}" in starts[node]
+    # The workdir (metrics, TensorBoard) stays on the host; checkpoints go to the bucket.
+    assert "--workdir ../learner " in starts[node]
+    assert f"--checkpoint-dir gs://test-bucket/runs/{RUN}/learner_{i}/checkpoints" in starts[node]
     assert "--config.learners.devices=8" in starts[node] and "--config.learners.num=2" in starts[node]
   # Every command on a slice runs on all of its workers.
   tpu_calls = [c for c in cloud.calls() if c[:3] == ["compute", "tpus", "tpu-vm"] and c[3] in ("ssh", "scp")]
@@ -338,15 +342,19 @@ def test_stop_exports_the_model_before_deleting(cloud):
   order = {tuple(s): i for i, s in steps}
   learner_stops = [i for i, c in enumerate(calls) if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
   deletes = [i for i, c in enumerate(calls) if "delete" in c[:5]]
-  assert max(learner_stops) < order[("stop", "syncer")] < order[("export", f"gs://test-bucket/runs/{RUN}/export")]
-  assert order[("export", f"gs://test-bucket/runs/{RUN}/export")] < order[("copy-workdir", f"gs://test-bucket/runs/{RUN}/")]
-  assert deletes and min(deletes) > order[("copy-workdir", f"gs://test-bucket/runs/{RUN}/")]
+  export = order[("export", "syncer")]
+  assert max(learner_stops) < order[("stop", "syncer")] < export
+  assert export < order[("upload", f"diloco/{RUN}/syncer")]
+  assert deletes and min(deletes) > order[("upload", f"diloco/{RUN}/logs")]
+  # The export names the run's config (export refuses to run without it).
+  (export_cmd,) = [cmd for _, cmd in commands if f"host.sh {RUN} export" in cmd]
+  assert "-- --config configs/tiny_cpu.py" in export_cmd and f"--run-id {RUN}" in export_cmd
   assert cloud.state()["qr"] == {} and cloud.state()["instances"] == {} and cloud.state()["firewalls"] == []
 
 
 def test_stop_refuses_to_delete_when_the_model_cannot_be_saved(cloud):
   cloud.created()
-  cloud.update(fail=[{"contains": "host.sh t1 export", "exit": 1}, {"contains": "host.sh t1 copy-workdir", "exit": 1}])
+  cloud.update(fail=[{"contains": "host.sh t1 export", "exit": 1}, {"contains": "host.sh t1 upload", "exit": 1}])
   result = cloud.run("stop.sh", "--delete")
   assert result.returncode != 0 and "refusing to delete" in result.stderr
   assert not any("delete" in c[:5] for c in cloud.calls())

@@ -18,9 +18,12 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 
 ROOT = pathlib.Path(os.environ.get("EMU_ROOT", "."))
 AUTH_ERROR = ("ERROR: ({command}) There was a problem refreshing your current auth tokens: Reauthentication "
@@ -280,6 +283,89 @@ def main(argv: list[str]) -> None:
     firewall(words, command)
   else:
     fail(f"ERROR: (gcloud) the emulated cloud does not know: {' '.join(argv)}", 2)
+
+
+# ---- the test side: the emulated cloud's directory, its GCS server and the scripts' environment ----
+
+TPU = pathlib.Path(__file__).resolve().parents[1] / "launch" / "tpu"
+WORKERS = {"v5p-8": 1, "v5p-16": 2, "v6e-8": 1, "v6e-16": 4}
+DEVICES_PER_HOST = {"v5p-8": 4, "v5p-16": 4, "v6e-8": 8, "v6e-16": 4}  # the chips of a host: its fake CPU devices
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class EmulatedCloud:
+  """The emulated cloud under `root`: `gcloud` on PATH, a GCS server (`start_gcs`), the scripts' `env`."""
+
+  def __init__(self, root: pathlib.Path, **env: str):
+    self.root = root
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(f"#!/bin/sh\nexec {sys.executable} {pathlib.Path(__file__).resolve()} \"$@\"\n")
+    gcloud.chmod(0o755)
+    (root / "calls.jsonl").touch()
+    (root / "state.json").write_text(json.dumps({
+        "qr": {}, "instances": {}, "firewalls": [], "fail": False, "workers": WORKERS,
+        "devices_per_host": DEVICES_PER_HOST, "qr_states": ["PROVISIONING", "ACTIVE"]}))
+    self.gcs = None
+    self.host_env: dict[str, str] = {}
+    self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "EMU_ROOT": str(root),
+                "TOKEN_FILE": str(root / "run.token"), "LOG_ROOT": str(root / "logs"), "POLL_S": "0", **env}
+
+  def start_gcs(self, bucket: str) -> str:
+    """A gcp-storage-emulator on a free port with `bucket`; the hosts and this process reach it as GCS."""
+    port = free_port()
+    server = pathlib.Path(__file__).resolve().parent / "gcs_emulator.py"
+    self.gcs = subprocess.Popen([sys.executable, str(server), "start", "--port", str(port), "--in-memory",
+                                 "--default-bucket", bucket], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    # gcsfs (epath, the metrics copy) reads STORAGE_EMULATOR_HOST, tensorstore (orbax's arrays) its own two.
+    self.host_env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+                     "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulated"}
+    self.env.update(self.host_env, EMU_HOST_ENV=json.dumps(self.host_env))
+    deadline = time.monotonic() + 30
+    while True:
+      try:
+        urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2).read()
+        return url
+      except OSError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(0.2)
+
+  def run(self, script: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(TPU / script), *args], cwd=TPU.parents[1], env={**self.env, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+  def state(self) -> dict:
+    return json.loads((self.root / "state.json").read_text())
+
+  def calls(self) -> list[list[str]]:
+    return [json.loads(line) for line in (self.root / "calls.jsonl").read_text().splitlines()]
+
+  def set_failing(self, failing: bool) -> None:
+    st = self.state()
+    st["fail"] = failing
+    (self.root / "state.json").write_text(json.dumps(st))
+
+  def preempt(self, node: str) -> None:
+    subprocess.run(["gcloud", "emu", "preempt", node], env=self.env, check=True, timeout=30)
+
+  def home(self, name: str, worker: int = 0) -> pathlib.Path:
+    return self.root / "hosts" / name / f"w{worker}"
+
+  def close(self) -> None:
+    """Every host's processes killed, the GCS server stopped."""
+    for name in (self.root / "hosts").iterdir() if (self.root / "hosts").exists() else ():
+      kill_host_processes(name.name)
+    if self.gcs is not None:
+      self.gcs.terminate()
+      self.gcs.wait(10)
 
 
 if __name__ == "__main__":
