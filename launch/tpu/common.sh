@@ -48,6 +48,7 @@ FIREWALL_RULE="$RUN-syncer-grpc"
 REMOTE="~/diloco/$RUN"                       # on every host; host.sh runs processes from $REMOTE/code
 DRY_RUN=0
 exec 3>&1                                    # --dry-run prints here, also from inside $(...)
+exec 4>&2                                    # gcloud_failed prints here, also from a parallel job
 MAIN_PID=$$                                  # gcloud_failed ends the script from any subshell
 trap 'exit 1' TERM
 
@@ -112,10 +113,13 @@ gq() {
 # gcloud_failed WHAT ERRFILE: print gcloud's message and end the whole script (also from inside $(...) or a
 # parallel job, whose own exit would be taken for an answer).
 gcloud_failed() {
-  {
-    echo "error: $1 failed:"
-    sed 's/^/  /' "$2"
-  } >&2
+  # Once (parallel jobs may each fail the same way), on the script's own stderr (fd 4: a job's is a file).
+  if mkdir "$LOG_DIR/gcloud-failed" 2> /dev/null; then
+    {
+      echo "error: $1 failed:"
+      sed 's/^/  /' "$2"
+    } >&4
+  fi
   rm -f "$2"
   kill -TERM "$MAIN_PID" 2> /dev/null
   exit 1

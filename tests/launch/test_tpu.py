@@ -425,7 +425,8 @@ def test_dry_run_prints_every_gcloud_command_and_runs_none(cloud, script, args):
     assert any("host.sh t1 export" in line for line in printed)
     assert any("instances delete t1-syncer" in line for line in printed)
   # Nothing ran, and the output says so: no "saved ...", "deleted ..." or "started".
-  assert not any(word in result.stdout for word in ("saved ", "deleted run", "run t1 started"))
+  claims = ("saved params-only", "saved syncer", "deleted run", "run t1 started")
+  assert not any(claim in result.stdout for claim in claims)
   if script in ("stop.sh", "start.sh"):
     assert "dry run: nothing was" in result.stdout
 
@@ -499,7 +500,7 @@ def test_install_script_steps_offline_from_a_wheel_directory(tmp_path):
 def test_a_failing_gcloud_stops_the_scripts_with_its_message(tmp_path):
   """Expired credentials (every gcloud call fails): no script reads that as "absent" (stop.sh --delete used to
   print "deleted run ... resources" and exit 0, status.sh "no queued resource")."""
-  emulated = emucloud.EmulatedCloud(tmp_path / "cloud", RUN=RUN, LEARNERS=TWO_LEARNERS, BUCKET="gs://b/r",
+  emulated = emucloud.EmulatedCloud(tmp_path / "cloud", RUN=RUN, LEARNERS=TWO_LEARNERS, BUCKET="gs://bkt/r",
                                     CONFIG="configs/tiny_cpu.py", PROJECT="p")
   emulated.set_failing(True)
   for script, args in (("stop.sh", ("--delete",)), ("status.sh", ()), ("heal.sh", ())):
