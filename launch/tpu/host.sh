@@ -241,15 +241,16 @@ start_learner() {
   # Started: the learner printed its first line (after its model and data are built); a crash before that
   # fails the start, with the error.
   for ((t = 0; t < ${HOST_START_CHECK_S:-600}; t++)); do
+    # The first line counts even if a crash followed it (the supervisor restarts it; status.sh reports it).
+    if tail -c "+$((offset + 1))" "$log" | grep -qE '^learner [0-9]+( process [0-9]+)?: '; then
+      echo "learner started under its supervisor (pid $(<"$D/learner.pid"))"
+      return 0
+    fi
     if crashed_since "$log" "$offset" || ! running learner; then
       echo "the learner crashed during start (last error: $(last_error "$log"))" >&2
       stop_process learner 60 > /dev/null || true
       log_tail "$log"
       return 1
-    fi
-    if tail -c "+$((offset + 1))" "$log" | grep -qE '^learner [0-9]+( process [0-9]+)?: '; then
-      echo "learner started under its supervisor (pid $(<"$D/learner.pid"))"
-      return 0
     fi
     sleep 1
   done
