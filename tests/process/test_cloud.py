@@ -1,9 +1,9 @@
 """launch/tpu on the emulated cloud (tests/emucloud.py): the scripts run the whole life of a run for real, on
 local hosts, with gs:// through a local GCS server: the data step (tokenizer and tokenize to gs://), create
-(the code shipped to every host and checked there), start (a syncer; learner 0 on the 2 hosts of a v5p-16
-with jax.distributed, learner 1 on a v5p-8), status, a preemption of learner 1's slice healed (it resumes from
-its gs:// checkpoint), stop (learners checkpoint, the syncer exports; logs, metrics and checkpoints reach the
-bucket) and delete; then `eval` of the exported model read from the bucket.
+(the code shipped to every host and checked there), start (a syncer of 2 shards; learner 0 on the 2 hosts of
+a v5p-16 with jax.distributed, learner 1 on a v5p-8), status, a preemption of learner 1's slice healed (it
+resumes from its gs:// checkpoint), stop (learners checkpoint, the syncer exports; logs, metrics and
+checkpoints reach the bucket) and delete; then `eval` of the exported model read from the bucket.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def cloud(tmp_path):
       tmp_path, RUN=RUN, LEARNERS="v5p-16,v5p-8", BUCKET=BUCKET, CONFIG="configs/tiny_cpu.py",
       OVERRIDES=_overrides(), PORT=str(emucloud.free_port()), COORDINATOR_PORT=str(emucloud.free_port()),
       SYNCER_MACHINE="n2-highmem-8", HOST_PYTHON=sys.executable, SYNC_EVERY_S="3", HOST_START_CHECK_S="240",
-      SUPERVISE_BACKOFF_S="1", STOP_TIMEOUT_S="120", DILOCO_JAX_CACHE=str(tmp_path / "xla-cache"),
+      SUPERVISE_BACKOFF_S="1", STOP_TIMEOUT_S="120", DILOCO_JAX_CACHE=str(tmp_path / "xla-cache"), SYNCER_SHARDS="2",
       DILOCO_DATA_CACHE="")
   cloud.start_gcs("emu-bucket")
   yield cloud
@@ -124,7 +124,8 @@ def test_a_run_on_the_emulated_cloud_from_data_to_a_saved_model(cloud, tmp_path,
   assert not (REPO / "gs:").exists()
 
   out = _ok(cloud.run("status.sh"), "status.sh")
-  assert out.count("learner: running") == 3 and "syncer: running" in out and "CRASH LOOP" not in out
+  assert out.count("learner: running") == 3 and "CRASH LOOP" not in out
+  assert "syncer: running" in out and "syncer1: running" in out  # both shards of the syncer
 
   # A spot preemption of learner 1's slice: its processes die, the slice is SUSPENDED; heal brings it back.
   step1 = _wait_for_checkpoint(1, 0)
@@ -145,6 +146,7 @@ def test_a_run_on_the_emulated_cloud_from_data_to_a_saved_model(cloud, tmp_path,
   marks["stopped"] = time.monotonic() - t0
   assert f"saved params-only export: {BUCKET}/{RUN}/export" in out
   assert f"saved syncer checkpoints: {BUCKET}/{RUN}/syncer" in out
+  assert f"saved syncer checkpoints: {BUCKET}/{RUN}/syncer1" in out
   # The learners' logs and metrics reached the bucket (every worker's), and so did the syncer's logs.
   for learner, workers in ((0, 2), (1, 1)):
     for w in range(workers):
@@ -158,7 +160,8 @@ def test_a_run_on_the_emulated_cloud_from_data_to_a_saved_model(cloud, tmp_path,
   # (on its VM) scores: the export is that model.
   local = tmp_path / "from-checkpoint"
   config = ["--config", str(REPO / "configs" / "tiny_cpu.py"), *_overrides().split(), "--config.learners.num=2"]
-  _python(cloud, "export", "--syncer-workdir", str(cloud.home(f"{RUN}-syncer") / "diloco" / RUN / "syncer"),
+  shards = [str(cloud.home(f"{RUN}-syncer") / "diloco" / RUN / name) for name in ("syncer", "syncer1")]
+  _python(cloud, "export", "--syncer-workdir", ",".join(shards),
           "--run-id", RUN, "--out", str(local), *config)
   scores = [json.loads(_python(cloud, "eval", "--model", model, "--json").strip().splitlines()[-1])
             for model in (f"{BUCKET}/{RUN}/export", str(local))]
