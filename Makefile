@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 FAST := $(PY) -m pytest -q -n 3 --dist loadfile -m "not slow and not process"
 PROCESS := $(PY) -m pytest -q -m "process and not slow"
 
-.PHONY: run test lint test-fast test-process test-slow bench clean
+.PHONY: run test lint test-fast test-process test-slow test-cloud bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ test-process: $(STAMP)
 # The `slow` tests of both tiers (deselected by the others).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The Cloud TPU scripts on the emulated cloud (tests/emucloud.py): a whole run from the data step to a saved
+# model, ~5 minutes on 2 cores (also in test-slow; not in test, whose budget is 10 minutes), then the scripts'
+# fast tests.
+test-cloud: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" tests/process/test_cloud.py tests/launch/test_tpu.py \
+	  tests/process/test_launch_hosts.py
 
 bench: $(STAMP)
 	$(PY) -m diloco_jax bench step --config configs/small_cpu.py

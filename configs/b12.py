@@ -11,9 +11,10 @@ and `data.eval_files`, e.g. `--config.data.tokenizer=gs://BUCKET/data/tokenizer.
   python -m diloco_jax tokenizer --data CORPUS --vocab 32000 --out data/tokenizer.model
   python -m diloco_jax tokenize --tokenizer data/tokenizer.model --data CORPUS --out data/tokens --shards 1024
 
-Run (on the TPU VM hosts; 8 learners x 64 chips = 512 chips, e.g. 8 x v5p-128):
-  python -m diloco_jax train --config configs/b12.py --workdir gs://BUCKET/runs/b12
-  python -m diloco_jax baseline --config configs/b12.py --workdir gs://BUCKET/runs/b12_dp
+Run: one learner per v5p-128 slice (64 chips), 8 slices and a syncer VM, with the Cloud TPU scripts
+(docs/tpu.md, launch/tpu/):
+  RUN=b12 CONFIG=configs/b12.py LEARNERS=8xv5p-128 BUCKET=gs://BUCKET/diloco launch/tpu/create.sh
+(`train` runs every learner in one process on one host's devices: it cannot span 8 slices.) On one slice:
   python -m diloco_jax bench step --config configs/b12.py --devices 64
 """
 

@@ -384,6 +384,9 @@ def define_flags(fv) -> None:
                        "DILOCO_NUM_PROCESSES)", flag_values=fv)
   flags.DEFINE_integer("process-id", env_int("DILOCO_PROCESS_ID"), "this process's index in [0, "
                        "--num-processes); process 0 talks to the syncer (env DILOCO_PROCESS_ID)", flag_values=fv)
+  flags.DEFINE_integer("init-timeout-s", 300, "how long the processes wait for each other at start "
+                       "(jax.distributed's initialization timeout: hosts of a slice can come up minutes apart)",
+                       flag_values=fv)
 
 
 def spec_from_flags(fv) -> DistributedSpec:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import json
+import os
+import pathlib
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -53,9 +56,29 @@ def resolve_files(patterns: str, field: str) -> list[str]:
   return sorted(paths)
 
 
+def staged(path: str) -> str:
+  """A local copy of a shard at a URL (gs://...), made once per host under $DILOCO_DATA_CACHE (default
+  ~/.cache/diloco_jax/shards): array_record's reader opens local files only (given a gs:// name it hangs).
+  A local path is returned as it is."""
+  if "://" not in path:
+    return path
+  source = epath.Path(path)
+  root = os.environ.get("DILOCO_DATA_CACHE") or str(pathlib.Path.home() / ".cache" / "diloco_jax" / "shards")
+  local = pathlib.Path(root, hashlib.sha256(path.encode()).hexdigest()[:16], source.name)
+  size = source.stat().length
+  if not local.exists() or local.stat().st_size != size:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = local.with_name(f"{local.name}.{os.getpid()}.partial")
+    source.copy(epath.Path(partial), overwrite=True)
+    partial.replace(local)  # whole or not at all
+  return str(local)
+
+
 def _open_shard(path: str, dtype: np.dtype, field: str) -> tuple[Any, int, int]:
-  """(record source, tokens per record, tokens in the file) of one token shard."""
+  """(record source, tokens per record, tokens in the file) of one token shard (a URL's through a local
+  copy)."""
   try:
+    path = staged(path)
     source = grain.sources.ArrayRecordDataSource(path)
     n = len(source)
     first, last = (len(source[0]), len(source[n - 1])) if n else (0, 0)

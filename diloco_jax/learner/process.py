@@ -119,7 +119,10 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
                              strategy=None if channel is None else group_lib.ProcessGroup(channel))
   built.append(learner)
   start_step = learner.trainer.step
-  if not quiet:
+  if not leader:  # a start line on every process (launch/tpu/host.sh waits for it)
+    print(f"learner {learner_id} process {jax.process_index()}: started at step {start_step}", file=sys.stderr,
+          flush=True)
+  elif not quiet:
     spans = f" over {jax.process_count()} processes" if channel is not None else ""
     print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
           f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
@@ -259,7 +262,8 @@ def run_learner_process(argv) -> int:
   except ValueError as e:
     raise cli.UsageError(str(e)) from None
   if spec.enabled:  # before anything starts a jax backend (the plan check below does)
-    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s)
+    multihost.initialize(spec, peer_timeout_s=config.learners.peer_timeout_s,
+                         init_timeout_s=fv["init-timeout-s"].value)
   # Validate as one learner of the run: the device total is checked in `run`, per process.
   config = cli.validated(config, sum(counts), learners=True)  # the run's RunSpec from here on
   cli.check_workdir(config, fv.workdir, fv["run-id"].value)

@@ -32,7 +32,10 @@ POLL_S=${POLL_S:-30}
 SYNCER_START_TIMEOUT_S=${SYNCER_START_TIMEOUT_S:-1800}
 STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-900}        # a learner flushes, checkpoints and leaves within this
 COORDINATOR_PORT=${COORDINATOR_PORT:-8476}   # jax.distributed coordinator on worker 0 of a multi-host slice
+INIT_TIMEOUT_S=${INIT_TIMEOUT_S:-300}         # how long a multi-host learner's processes wait for each other
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
+HOST_PYTHON=${HOST_PYTHON:-}                 # a pre-built environment's python on every host: no install
+SYNCER_SHARDS=${SYNCER_SHARDS:-1}            # syncer shard processes on the syncer VM (ports PORT, PORT+1...)
 UV_VERSION=${UV_VERSION:-0.13.9}
 SERVICE_ACCOUNT=${SERVICE_ACCOUNT:-}         # of the VMs; empty: the project's default compute service account
 GCLOUD_SSH_FLAGS=${GCLOUD_SSH_FLAGS:-}       # e.g. "--internal-ip" when this machine is inside the VPC
@@ -45,6 +48,9 @@ FIREWALL_RULE="$RUN-syncer-grpc"
 REMOTE="~/diloco/$RUN"                       # on every host; host.sh runs processes from $REMOTE/code
 DRY_RUN=0
 exec 3>&1                                    # --dry-run prints here, also from inside $(...)
+exec 4>&2                                    # gcloud_failed prints here, also from a parallel job
+MAIN_PID=$$                                  # gcloud_failed ends the script from any subshell
+trap 'exit 1' TERM
 
 die() {
   echo "error: $*" >&2
@@ -78,17 +84,45 @@ gc() {
   gcloud "$@" "${project[@]}"
 }
 
-# gq PLACEHOLDER ARGS...: the output of a read-only gcloud query, empty if it fails (e.g. not found). With
-# --dry-run: print the command and answer PLACEHOLDER.
+# gq PLACEHOLDER ARGS...: the output of a read-only gcloud query, empty if what it asks about does not exist
+# (gcloud's NOT_FOUND). Any other failure (credentials, permissions, a wrong project or zone) ends the
+# script with gcloud's message: it must never read as "absent". With --dry-run: print the command and answer
+# PLACEHOLDER.
 gq() {
-  local placeholder=$1
+  local placeholder=$1 err rc=0 out
   shift
   if ((DRY_RUN)); then
     gc "$@"
     printf '%s\n' "$placeholder"
     return 0
   fi
-  gc "$@" 2> /dev/null || true
+  err=$(mktemp)
+  out=$(gc "$@" 2> "$err") || rc=$?
+  if ((rc == 0)); then
+    rm -f "$err"
+    [[ -z $out ]] || printf '%s\n' "$out"
+    return 0
+  fi
+  if grep -qE "NOT_FOUND|was not found|could not be found" "$err"; then
+    rm -f "$err"
+    return 0
+  fi
+  gcloud_failed "gcloud $(quoted "$@") (exit $rc)" "$err"
+}
+
+# gcloud_failed WHAT ERRFILE: print gcloud's message and end the whole script (also from inside $(...) or a
+# parallel job, whose own exit would be taken for an answer).
+gcloud_failed() {
+  # Once (parallel jobs may each fail the same way), on the script's own stderr (fd 4: a job's is a file).
+  if mkdir "$LOG_DIR/gcloud-failed" 2> /dev/null; then
+    {
+      echo "error: $1 failed:"
+      sed 's/^/  /' "$2"
+    } >&4
+  fi
+  rm -f "$2"
+  kill -TERM "$MAIN_PID" 2> /dev/null
+  exit 1
 }
 
 ssh_flags() {
@@ -153,6 +187,7 @@ check_settings() {
       die "TLS_DIR=$TLS_DIR: learner.pem and learner.key (mutual TLS) go together"
   fi
   parse_learners
+  syncer_shards
 }
 
 # Parse the flags every script has (--dry-run, --help); the others are left in ARGS.
@@ -316,22 +351,43 @@ make_archive() {
   note "code: $(du -h "$ARCHIVE" | cut -f1) archive of $REPO$(git -C "$REPO" describe --always --dirty 2> /dev/null | sed 's/^/ at /')"
 }
 
-# deploy_tpu i: ship the code to every worker of learner i and install it (uv, Python, the pinned deps, jax[tpu]).
+# deploy_tpu i: ship the code to every worker of learner i and install it (install.sh: uv, Python, the
+# pinned deps, jax[tpu] and gcsfs), or point it at HOST_PYTHON.
 deploy_tpu() {
   local i=$1
   copy_to_tpu ship "${L_NODE[i]}" "${L_ZONE[i]}" "" "$ARCHIVE" "$HOST_SH"
-  on_tpu deploy "${L_NODE[i]}" "${L_ZONE[i]}" "$(deploy_cmd tpu)"
+  on_tpu deploy "${L_NODE[i]}" "${L_ZONE[i]}" "$(deploy_cmd tpu,gcs)"
 }
 
 deploy_syncer() {
   copy_to_syncer ship "" "$ARCHIVE" "$HOST_SH"
-  on_syncer deploy "$(deploy_cmd "")"
+  on_syncer deploy "$(deploy_cmd gcs)"
 }
 
 # The remote side of a deploy: host.sh into place (a rename: a running host.sh keeps its file), then
-# `host.sh deploy` of the archive scp'd to the home directory. EXTRA: the pyproject extra ("tpu" or "").
+# `host.sh deploy` of the archive scp'd to the home directory. EXTRAS: the pyproject extras.
 deploy_cmd() {
-  echo "mkdir -p $REMOTE && mv -f diloco-$RUN-host.sh $REMOTE/host.sh && $(host_cmd deploy "diloco-$RUN-code.tgz" "$1" "$PYTHON_VERSION" "$UV_VERSION")"
+  echo "mkdir -p $REMOTE && mv -f diloco-$RUN-host.sh $REMOTE/host.sh && $(host_cmd deploy "diloco-$RUN-code.tgz" "$1" "$PYTHON_VERSION" "$UV_VERSION" ${HOST_PYTHON:+"$HOST_PYTHON"})"
+}
+
+# The syncer's shard processes on its VM: names (their workdirs and logs on the VM) and ports.
+syncer_shards() {
+  SHARD_NAMES=() SHARD_PORTS=()
+  local s
+  [[ $SYNCER_SHARDS =~ ^[1-9][0-9]*$ ]] || die "SYNCER_SHARDS='$SYNCER_SHARDS' is not a positive number"
+  for ((s = 0; s < SYNCER_SHARDS; s++)); do
+    if ((s == 0)); then SHARD_NAMES+=(syncer); else SHARD_NAMES+=("syncer$s"); fi
+    SHARD_PORTS+=($((PORT + s)))
+  done
+}
+
+# The TLS flags of a client of the syncer on a host (paths relative to ~/diloco/RUN/code): the CA, and the
+# learner's certificate and key under mutual TLS.
+client_tls_flags() {
+  CLIENT_TLS=()
+  [[ -n $TLS_DIR ]] || return 0
+  CLIENT_TLS=(--tls-ca ../tls/ca.pem)
+  [[ ! -f $TLS_DIR/learner.pem ]] || CLIENT_TLS+=(--tls-cert ../tls/learner.pem --tls-key ../tls/learner.key)
 }
 
 # A learner spanning several hosts writes one checkpoint from all of them: that needs a shared gs:// path.

@@ -113,6 +113,9 @@ request_slices() {
       "") request_slice "$i" ;;
       FAILED | SUSPENDED)
         note "slice ${L_NODE[i]} is $state (preempted or failed): deleting it and requesting it again"
+        # Its logs and metrics first, where its hosts still answer (else: their last periodic copy).
+        [[ -z $BUCKET ]] || on_tpu collect "${L_NODE[i]}" "${L_ZONE[i]}" "$(host_cmd collect)" ||
+          note "slice ${L_NODE[i]} does not answer: its logs are in $BUCKET/$RUN/learner_$i as last copied"
         gc compute tpus queued-resources delete "${L_NODE[i]}" --zone="${L_ZONE[i]}" --force --quiet
         request_slice "$i"
         ;;

