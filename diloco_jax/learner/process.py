@@ -89,6 +89,26 @@ def _define_flags(fv: flags.FlagValues) -> None:
   multihost.define_flags(fv)
 
 
+def _say_started(config, learner, learner_id: int, k: int, devices, targets: list[str], fingerprint: str,
+                 channel, *, leader: bool, quiet: bool) -> None:
+  """The start lines: one on every process of a multi-host learner (launch/tpu/host.sh waits for it), and
+  the leader's device, syncer and resume line with what it waits for while it joins."""
+  start_step = learner.trainer.step
+  if not leader:
+    print(f"learner {learner_id} process {jax.process_index()}: started at step {start_step}", file=sys.stderr,
+          flush=True)
+    return
+  if quiet:
+    return
+  spans = f" over {jax.process_count()} processes" if channel is not None else ""
+  print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
+        f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
+        file=sys.stderr, flush=True)
+  print(f"learner {learner_id}: joining the syncer at {','.join(targets)}: waiting until it answers (a line "
+        f"per retry; gives up after comms.unreachable_deadline_s = {config.comms.unreachable_deadline_s:g}s)",
+        file=sys.stderr, flush=True)
+
+
 def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str, run_id: str = "",
         num_devices: int | None = None, tls: dict | None = None, quiet: bool = False,
         checkpoint_dir: str | None = None) -> dict:
@@ -119,18 +139,7 @@ def run(config, *, targets: list[str], learner_id: int, workdir: str, token: str
                              strategy=None if channel is None else group_lib.ProcessGroup(channel))
   built.append(learner)
   start_step = learner.trainer.step
-  if not leader:  # a start line on every process (launch/tpu/host.sh waits for it)
-    print(f"learner {learner_id} process {jax.process_index()}: started at step {start_step}", file=sys.stderr,
-          flush=True)
-  elif not quiet:
-    spans = f" over {jax.process_count()} processes" if channel is not None else ""
-    print(f"learner {learner_id}: {k} {devices[0].platform} device(s){spans}, syncer {','.join(targets)}, fingerprint "
-          f"{fingerprint}, " + (f"resumed at step {start_step}" if learner.restored else "fresh start"),
-          file=sys.stderr, flush=True)
-    if leader:
-      print(f"learner {learner_id}: joining the syncer at {','.join(targets)}: waiting until it answers (a line "
-            f"per retry; gives up after comms.unreachable_deadline_s = {config.comms.unreachable_deadline_s:g}s)",
-            file=sys.stderr, flush=True)
+  _say_started(config, learner, learner_id, k, devices, targets, fingerprint, channel, leader=leader, quiet=quiet)
   summary, stopped, abandoned = _train(learner, transport, watch, metrics_log, quiet=quiet, t0=t0)
   if not leader:
     print(f"learner {learner_id} process {jax.process_index()}: done at step {summary['steps']}",
