@@ -134,13 +134,17 @@ def test_status_watch_redraws_until_interrupted(served):
                            "--watch", "--interval", "0.2"], cwd=helpers.REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   lines: list[str] = []
-  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-  reader.start()
+  errors: list[str] = []  # read as it comes: a full stderr pipe would block the command, not the test
+  for stream, into in ((proc.stdout, lines), (proc.stderr, errors)):
+    threading.Thread(target=into.extend, args=(stream,), daemon=True).start()
   try:
     helpers.wait_for(lambda: sum(line.startswith("fragment  version") for line in lines) >= 3, "three redraws",
                      timeout=120, poll=0.05)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 0, proc.stderr.read()
+    try:
+      assert proc.wait(30) == 0, "".join(errors)[-3000:]
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"status --watch still running 30 s after SIGINT; stderr: {''.join(errors)[-3000:]}")
   finally:
     if proc.poll() is None:
       proc.kill()

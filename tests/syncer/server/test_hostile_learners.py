@@ -204,9 +204,12 @@ def test_claims_must_fit_the_config_and_ids_their_type(served):
   core, handle = served()
   channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
   stub = pb_grpc.SyncerStub(channel)
-  with Victim(handle) as victim:
-    victim.t.heartbeat(VICTIM, 1e300)  # counts as a lease: a stopped learner is waited for at most that long
-    assert core.status()["members"][str(VICTIM)]["step_time_s"] == core.settings.lease_s
+  with Victim(handle):
+    # The claim from the attacker's id (the victim's own heartbeats, every 50 ms, would overwrite it).
+    attacker = client(handle, ATTACKER)
+    attacker.join(ATTACKER, FP)
+    attacker.heartbeat(ATTACKER, 1e300)  # counts as a lease: a stopped learner is waited for at most that long
+    assert core.status()["members"][str(ATTACKER)]["step_time_s"] == core.settings.lease_s
     for big in (2**32 + 1, 2**32 + VICTIM, 2**63 - 1):
       for method, request in ((stub.Join, pb.JoinRequest(learner_id=big, fingerprint=FP)),
                               (stub.Heartbeat, pb.HeartbeatRequest(learner_id=big, fingerprint=FP, step_time_s=1.0))):
@@ -222,7 +225,8 @@ def test_claims_must_fit_the_config_and_ids_their_type(served):
       sock.sendall(wire.request(TOKEN, nonce, wire.OP_PUSH, header.SerializeToString()))
       status, body = wire.recv_frame(sock, "reply")
       assert status == wire.REFUSED and wire.parse_refusal(body)[0] == "learner_id"
-    assert core.status()["member_count"]["total"] == 1 and core.status()["versions"] == [0]
+    assert core.status()["member_count"]["total"] == 2 and core.status()["versions"] == [0]  # the two ids joined
+    attacker.close()
   channel.close()
 
 
