@@ -144,7 +144,8 @@ def _restart_syncer(run, port: int, how: signal.Signals):
   return run.syncer(f"127.0.0.1:{port}"), started
 
 
-@pytest.mark.parametrize("quorum", ["default", "k1"])
+# K = 1 without grace (~40-85 s) in `make test-slow`; the shipped quorum in the process tier.
+@pytest.mark.parametrize("quorum", ["default", pytest.param("k1", marks=pytest.mark.slow)])
 def test_syncer_kill_and_term_during_a_run(tmp_path, quorum):
   """Shipped fault-tolerance settings (quorum all live learners, or K = 1; lease 30 s; 3 learners): a
   syncer kill -9, then a SIGTERM, each restarted on the same port and workdir. Every learner finishes,

@@ -14,6 +14,7 @@ SMALL = ["--config.learners.num=2", "--config.model.d_model=32", "--config.model
          "--config.model.head_dim=8"]
 
 
+@pytest.mark.slow  # trains the pair at three budgets (~85 s cold): in `make test-slow`
 def test_budgets_run_the_pair_at_each_multiple_and_plot(tmp_path, capsys):
   argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=4",
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
