@@ -132,7 +132,10 @@ def test_status_watch_redraws_until_interrupted(served):
   env = {**os.environ, TOKEN_ENV: TOKEN}
   proc = subprocess.Popen([sys.executable, "-m", "diloco_jax", "status", "--syncer", f"127.0.0.1:{handle.port}",
                            "--watch", "--interval", "0.2"], cwd=helpers.REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True,
+                          # As from a terminal: a suite started as a background job of a script inherits
+                          # SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   lines: list[str] = []
   errors: list[str] = []  # read as it comes: a full stderr pipe would block the command, not the test
   for stream, into in ((proc.stdout, lines), (proc.stderr, errors)):
