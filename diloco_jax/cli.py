@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from absl import flags
@@ -247,6 +248,7 @@ def check_fragment_plan(config) -> None:
 
 
 EXIT_FAILED = 1
+SIGNAL_POLL_S = 0.25  # the longest a stop signal waits for the main thread (`StopSignals.wait`)
 PARENT_PID_ENV = "DILOCO_JAX_PARENT_PID"  # set by `local` for its children (runs/children.py)
 
 
@@ -302,8 +304,19 @@ class StopSignals:
     return self.stopped.is_set()
 
   def wait(self, timeout_s: float | None = None) -> bool:
-    """Wait until a signal came (or `timeout_s` passed); whether one came."""
-    return self.stopped.wait(timeout_s)
+    """Wait until a signal came (or `timeout_s` passed); whether one came.
+
+    In slices: Python runs a signal's handler only on the main thread, between bytecodes. When the kernel
+    delivers the signal to another thread (any thread may take a process-directed signal, e.g. when the
+    main thread has another one pending), the main thread's untimed wait is never interrupted and the
+    handler never runs: a syncer once sat through SIGTERM for minutes so."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not self.stopped.is_set():
+      left = SIGNAL_POLL_S if deadline is None else min(SIGNAL_POLL_S, deadline - time.monotonic())
+      if left <= 0:
+        break
+      self.stopped.wait(left)
+    return self.stopped.is_set()
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():

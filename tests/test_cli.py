@@ -6,8 +6,11 @@ wins (those cases run `train` in a fresh interpreter, the only place a device co
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from absl import flags
@@ -138,3 +141,25 @@ def test_an_explicit_device_count_wins(tmp_path):
   assert proc.returncode == 2
   assert "config.learners.devices: asks for 2 devices but only 1 exist" in proc.stderr
   assert "fake CPU devices" not in proc.stderr
+
+
+def test_a_stop_signal_taken_by_another_thread_still_ends_the_wait():
+  # Any thread may take a process-directed signal; Python runs its handler on the main thread only, between
+  # bytecodes. An untimed wait there was never interrupted (a syncer sat through SIGTERM until killed).
+  # Here the signal goes to a helper thread on purpose; the untimed wait must still end, promptly.
+  waited = {}
+
+  def raise_in_this_thread():
+    time.sleep(0.2)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+  with cli.StopSignals("test", doing=None) as signals:
+    sender = threading.Thread(target=raise_in_this_thread, daemon=True)
+    start = time.monotonic()
+    sender.start()
+    # Before the fix this wait sat out its whole timeout (an untimed one, as the syncer's, forever).
+    waited["came"] = signals.wait(timeout_s=20.0)
+    waited["took"] = time.monotonic() - start
+    sender.join(5)
+  assert waited["came"] and signals.received == [signal.SIGTERM]
+  assert waited["took"] < 5.0, waited
