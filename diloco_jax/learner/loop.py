@@ -276,7 +276,8 @@ class Learner:
              for item in items]
     while True:
       versions = self.comms.join()
-      plan = recovery_lib.plan_recovery(versions, syncs, self.base_version, self.base_epoch, self._merged)
+      plan = recovery_lib.plan_recovery(versions, syncs, self.base_version, self.base_epoch, self._merged,
+                                        recovery_lib.Claims(int(self.plan.longest_gap), int(self.config.train.steps)))
       named, vectors = {}, {}
       for p in plan.to_fetch():
         published, vectors[p] = self.comms.fetch(p, 0, have_version=-1)

@@ -100,19 +100,30 @@ class RecoveryPlan:
         FragmentRecovery(**{**f, "action": Action(f["action"]), "kind": Kind(f["kind"])}) for f in data["fragments"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class Claims:
+  """What a learner may claim for a push: `period_steps`, the steps of one sync period (the schedule's
+  longest gap), and `max_steps`, the most steps one push may claim (train.steps; 0: no limit)."""
+
+  period_steps: int = 0
+  max_steps: int = 0
+
+
 def plan_recovery(versions: Versions, syncs: Sequence[SettledSync], base_versions: Sequence[int],
-                  base_epochs: Sequence[int], merged: Sequence[Sequence[MergedReceipt]]) -> RecoveryPlan:
+                  base_epochs: Sequence[int], merged: Sequence[Sequence[MergedReceipt]],
+                  claims: Claims = Claims()) -> RecoveryPlan:
   """The recovery against `versions` (the join's answer from the restored syncer), for a learner whose
   syncs in flight ended as `syncs`, whose bases are (`base_versions`, `base_epochs`) per fragment, and whose
   adopted merges per fragment are `merged`. ADOPT and REBASE fragments are left to fetch (`to_fetch`)."""
   by_fragment = {sync.fragment: (i, sync) for i, sync in enumerate(syncs)}
   return RecoveryPlan(versions.epoch, tuple(
-      _plan_fragment(p, versions, *by_fragment.get(p, (-1, None)), base_versions[p], base_epochs[p], merged[p])
+      _plan_fragment(p, versions, *by_fragment.get(p, (-1, None)), base_versions[p], base_epochs[p], merged[p],
+                     claims)
       for p in range(len(base_versions))))
 
 
 def _plan_fragment(p: int, versions: Versions, index: int, sync: SettledSync | None, base_version: int,
-                   base_epoch: int, merged: Sequence[MergedReceipt]) -> FragmentRecovery:
+                   base_epoch: int, merged: Sequence[MergedReceipt], claims: Claims) -> FragmentRecovery:
   epoch, history = versions.epoch, versions.history
   if sync is not None:
     result = sync.result
@@ -131,10 +142,22 @@ def _plan_fragment(p: int, versions: Versions, index: int, sync: SettledSync | N
     return FragmentRecovery(p, Action.KEEP, index, renamed, epoch, steps, tokens)
   # Adopted merges the crash lost are in theta but not in the restored global: rebasing makes the next
   # outer gradient carry them, so their steps and tokens count again.
+  lost_own = 0
   for m in merged:
     if not protocol.merged_for_good(history, m.epoch, m.round, p):
-      steps, tokens = steps + m.steps, tokens + m.tokens
-  return FragmentRecovery(p, Action.REBASE, index, None, epoch, steps, tokens)
+      lost_own, tokens = lost_own + m.steps, tokens + m.tokens
+  lost = protocol.lost_rounds(history, base_epoch, base_version, p)
+  return FragmentRecovery(p, Action.REBASE, index, None, epoch, _rebase_steps(steps, lost_own, lost, claims), tokens)
+
+
+def _rebase_steps(steps: int, lost_own: int, lost_rounds: int | None, claims: Claims) -> int:
+  """The steps a rebase push claims: those of its sync in flight, and for the lost merges it carries its
+  own steps in them or one period per lost round when that is more. The lost rounds hold the other
+  learners' work as well (under K = 1 about one round in M is its own), and the syncer bounds a push's norm
+  by the periods its steps cover: a claim of its own steps alone got rebase pushes refused as outliers.
+  Within `max_steps`; tokens stay its own (a merge weight counts at most one period whatever the claim)."""
+  claim = steps + max(lost_own, (lost_rounds or 0) * claims.period_steps)
+  return max(min(claim, claims.max_steps), steps + lost_own) if claims.max_steps else claim
 
 
 def is_absence(jump: int, usual_jumps: Sequence[int], num_learners: int) -> bool:

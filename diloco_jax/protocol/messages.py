@@ -139,6 +139,16 @@ def current_version(history: tuple[EpochRecord, ...], epoch: int, version: int, 
   return None
 
 
+def lost_rounds(history: tuple[EpochRecord, ...], epoch: int, version: int, fragment: int) -> int | None:
+  """How many rounds the global fragment that was `version` in lifetime `epoch` held beyond what the
+  current model kept of that lifetime (0 when it was kept whole); None when `epoch` is not in `history`."""
+  for record in history:
+    if record.epoch == epoch:
+      kept = kept_rounds(history, epoch, fragment)
+      return max(0, int(version - record.version_offsets[fragment] - kept)) if kept != math.inf else 0
+  return None
+
+
 def merged_for_good(history: tuple[EpochRecord, ...], epoch: int, round_: int, fragment: int) -> bool:
   """Whether the contribution that lifetime `epoch` put into round `round_` of `fragment` is (or, for the
   current lifetime, will be) in the current global model: its round closed before the lifetime that

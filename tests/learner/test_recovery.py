@@ -9,6 +9,7 @@ import numpy as np
 from diloco_jax.learner import recovery
 from diloco_jax.learner.comms import SyncResult
 from diloco_jax.learner.recovery import Action, FragmentRecovery, MergedReceipt, RecoveryPlan, SettledSync
+from diloco_jax.protocol import messages as protocol_messages
 from diloco_jax.protocol.messages import EpochRecord, Kind, PushReceipt, Versions
 
 A, B = 11, 22  # lifetime A made rounds 0..; B restored A's checkpoint at 3 rounds, numbered from version 5
@@ -104,3 +105,34 @@ def test_an_absence_jump_is_not_a_usual_one():
   assert not watch.absent and list(watch.jumps) == [2, 2, 2]
   watch.note(11)
   assert watch.absent and list(watch.jumps) == [2, 2, 2]
+
+
+def test_a_rebase_push_claims_a_period_for_every_lost_round_it_carries():
+  # The base, A's version 9 (round 9), lost rounds 3..8 (B restored 3): 6 rounds, of which the learner's own
+  # merge was one (7 steps). The claim covers a period (10 steps) per lost round, beyond its own steps: the
+  # syncer bounds the push's norm by the periods it claims, and the lost rounds hold the others' work too.
+  merged = [()] * N
+  merged[3] = (MergedReceipt(A, 1, 10, 100), MergedReceipt(A, 5, 7, 70))
+  claims = recovery.Claims(period_steps=10, max_steps=1000)
+  plan = recovery.plan_recovery(VERSIONS, [SettledSync(3, 4, 400, _abandoned(3, None))], [9] * N, [A] * N,
+                                merged, claims)
+  assert plan.fragments[3] == FragmentRecovery(3, Action.REBASE, 0, None, B, 4 + 6 * 10, 400 + 70)
+  assert plan.fragments[4].steps == 6 * 10  # no sync in flight: the lost rounds alone
+  # Never over what a push may claim, and never under its own work (its tokens need the steps).
+  capped = recovery.plan_recovery(VERSIONS, [SettledSync(3, 4, 400, _abandoned(3, None))], [9] * N, [A] * N,
+                                  merged, recovery.Claims(period_steps=10, max_steps=20))
+  assert capped.fragments[3].steps == 20 and capped.fragments[0].steps == 20
+  tight = recovery.plan_recovery(VERSIONS, [SettledSync(3, 4, 400, _abandoned(3, None))], [9] * N, [A] * N,
+                                 merged, recovery.Claims(period_steps=10, max_steps=5))
+  assert tight.fragments[3].steps == 4 + 7
+  # A base from a lifetime the history does not know: no lost rounds to count, its own lost steps only.
+  unknown = recovery.plan_recovery(VERSIONS, [], [9] * N, [99] * N, merged, claims)
+  assert unknown.fragments[3].steps == 7 and unknown.fragments[4].steps == 0
+
+
+def test_lost_rounds_of_a_base():
+  history = VERSIONS.history  # A kept 3 rounds; B numbers from version 5 (offset 2)
+  assert protocol_messages.lost_rounds(history, A, 9, 0) == 6
+  assert protocol_messages.lost_rounds(history, A, 3, 0) == 0 and protocol_messages.lost_rounds(history, A, 2, 0) == 0
+  assert protocol_messages.lost_rounds(history, B, 40, 0) == 0  # the current lifetime loses nothing
+  assert protocol_messages.lost_rounds(history, 99, 4, 0) is None
