@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import logging
 import os
 import pathlib
 import re
@@ -249,6 +250,19 @@ def check_fragment_plan(config) -> None:
 
 EXIT_FAILED = 1
 SIGNAL_POLL_S = 0.25  # the longest a stop signal waits for the main thread (`StopSignals.wait`)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: int, *, info_loggers: tuple[logging.Logger, ...] = ()) -> None:
+  """A process command's logging: `level` on the root logger with one line format, `info_loggers` at INFO
+  whatever the level, absl's (orbax's per-save lines) at WARNING. Forced: importing orbax configured the
+  root logger first, so a plain basicConfig did nothing (lines came out as `INFO:name:message`)."""
+  logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  for logger in info_loggers:
+    logger.setLevel(logging.INFO)
+
+
 PARENT_PID_ENV = "DILOCO_JAX_PARENT_PID"  # set by `local` for its children (runs/children.py)
 
 

@@ -100,7 +100,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
 def run_evaluator_process(argv) -> int:
   """`python -m diloco_jax evaluator --config C --syncer HOST:PORT --workdir D`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  cli.configure_logging(logging.WARNING)
   config = cli.validated(fv.config, None, learners=True)
   cli.check_workdir(config, fv.workdir, fv["run-id"].value)
   targets, token = client_flags.targets(fv), client_flags.token(fv)

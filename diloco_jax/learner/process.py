@@ -248,8 +248,8 @@ def _start_group(config, k: int, devices) -> tuple:
 def run_learner_process(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  retry_lib.log.setLevel(logging.INFO)  # a line per retry of an unreachable or busy syncer: what it waits for
+  # A line per retry of an unreachable or busy syncer: what it waits for.
+  cli.configure_logging(logging.WARNING, info_loggers=(retry_lib.log,))
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
   config = fv.config
   learner_id = fv["learner-id"].value

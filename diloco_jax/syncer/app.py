@@ -212,9 +212,7 @@ class _Serving:
 def run_syncer_process(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
   fv = cli.parse(argv, _define_flags, doc=__doc__)
-  # force: importing orbax (absl) configured the root logger first, and a plain basicConfig would do nothing
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines (several per checkpoint)
+  cli.configure_logging(logging.INFO)
   config, token, tls = _checked(fv)
   workdir = pathlib.Path(fv.workdir)
   if fv.resume:  # a fresh start (--no-resume) may reuse another run's workdir

@@ -7,6 +7,7 @@ steps.
 """
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -300,6 +301,10 @@ def test_a_learner_without_a_syncer_says_what_it_waits_for_and_stops_at_once(tmp
   delays = [float(line.split("retrying in ")[1].split("s")[0]) for line in log.splitlines()
             if f"join: syncer 127.0.0.1:{port}: UNAVAILABLE, retrying in" in line]
   assert len(delays) >= 4 and delays == sorted(delays) and delays[-1] > delays[0], delays
+  # In the log's one line format (orbax's import had configured logging first: `INFO:name:message`).
+  retries = [line for line in log.splitlines() if "retrying in" in line]
+  assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO diloco_jax\.transports\.retry: join: ", line)
+             for line in retries), retries[:3]
   assert "stopping now: the syncer never answered" in log and "\r" not in log
   assert run.summary(0)["stopped_by_signal"] and run.summary(0)["steps"] == 0
 
