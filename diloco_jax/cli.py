@@ -90,17 +90,9 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
   flags, and exits 0, before anything imports jax. With `config=False` a command without a model (the
   simulator) gets only its own flags, and jax is not imported.
   """
-  fv = flags.FlagValues()
-  if config:
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py), required; "
-                                    "--config.<field>=<value> overrides a field.",
-                                    flag_values=fv, lock_config=True, sys_argv=argv)
-    fv["config"].default_as_str = None  # required: the help shows no "(default: 'None')"
-  if define_extra:
-    define_extra(fv)
+  fv = _flag_values(argv, define_extra, config)
   if any(a in HELP_FLAGS for a in argv[1:]):
-    print(f"usage: {argv[0]} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
-          else f"usage: {argv[0]} [flags]\n\nflags:\n{fv.get_help()}")
+    print(help_text(argv[0], doc, fv))
     raise SystemExit(0)
   if config:
     _check_config_file(argv)
@@ -117,6 +109,31 @@ def parse_with_args(argv: list[str], define_extra: Callable[[flags.FlagValues], 
     raise UsageError(_CONFIG_REQUIRED)
   absolute_paths(fv)
   return fv, args
+
+
+def _flag_values(argv: list[str], define_extra: Callable[[flags.FlagValues], None] | None,
+                 config: bool) -> flags.FlagValues:
+  fv = flags.FlagValues()
+  if config:
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py), required; "
+                                    "--config.<field>=<value> overrides a field.",
+                                    flag_values=fv, lock_config=True, sys_argv=argv)
+    fv["config"].default_as_str = None  # required: the help shows no "(default: 'None')"
+  if define_extra:
+    define_extra(fv)
+  return fv
+
+
+def help_text(program: str, doc: str, fv: flags.FlagValues) -> str:
+  """A command's `--help`: its usage line, `doc` and its flags."""
+  return (f"usage: {program} [flags]\n\n{doc.strip()}\n\nflags:\n{fv.get_help()}" if doc
+          else f"usage: {program} [flags]\n\nflags:\n{fv.get_help()}")
+
+
+def command_help(program: str, doc: str, define_extra: Callable[[flags.FlagValues], None],
+                 config: bool = True) -> str:
+  """The `--help` that `parse(argv, define_extra, doc, config=config)` prints, built without parsing."""
+  return help_text(program, doc, _flag_values([program], define_extra, config))
 
 
 # Every flag and config field that names a local file or directory (the ones listing several: comma-separated).

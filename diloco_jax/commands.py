@@ -8,8 +8,11 @@ its command runs, so `--help` of the table imports no jax. `bench` and `sim` are
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
+import pathlib
 import sys
 
 from diloco_jax import cli
@@ -19,10 +22,14 @@ PROGRAM = "python -m diloco_jax"
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-  """A command: `target` is "module:function" (the function takes argv and returns an exit status)."""
+  """A command: `target` is "module:function" (the function takes argv and returns an exit status).
+  `flags`: for a command whose module loads jax, the function of `command_flags` that defines its flags
+  (`config`: whether it takes --config), so that its --help imports neither the module nor jax."""
 
   target: str
   help: str
+  flags: str = ""
+  config: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +69,7 @@ SIM = Group("the scale simulator, the bandwidth planner and the sizing of a run'
     "bandwidth": Command("diloco_jax.tools.sim.bandwidth_cli:sim_bandwidth",
                          "the WAN bandwidth each method needs for a target compute utilization"),
     "sizing": Command("diloco_jax.tools.sim.sizing:sim_sizing",
-                      "a config's syncer memory and disk, bytes per learner and outer period"),
+                      "a config's syncer memory and disk, bytes per learner and outer period", flags="sim_sizing"),
     "syncer": Command("diloco_jax.tools.sim.syncer_cli:sim_syncer",
                       "the syncer's memory, ingest rate and shard count for every shipped config and several M"),
 }, epilog="""Examples:
@@ -78,18 +85,22 @@ Progress goes to stderr; tables (or JSON with --json) to stdout; PNG plots to --
 
 COMMANDS: dict[str, Command | Group] = {
     "train": Command("diloco_jax.runs.inprocess:train",
-                     "Decoupled DiLoCo: M learners on slices of this process's devices, with the syncer core"),
+                     "Decoupled DiLoCo: M learners on slices of this process's devices, with the syncer core",
+                     flags="train"),
     "baseline": Command("diloco_jax.runs.baseline:train_baseline",
-                        "synchronous data-parallel training of the same model and data, for comparisons"),
-    "syncer": Command("diloco_jax.syncer.app:run_syncer_process", "the gRPC syncer service"),
+                        "synchronous data-parallel training of the same model and data, for comparisons",
+                        flags="baseline"),
+    "syncer": Command("diloco_jax.syncer.app:run_syncer_process", "the gRPC syncer service", flags="syncer"),
     "learner": Command("diloco_jax.learner.process:run_learner_process",
-                       "one learner process talking to a gRPC syncer"),
+                       "one learner process talking to a gRPC syncer", flags="learner"),
     "local": Command("diloco_jax.runs.local:launch",
-                     "a syncer, the global model's evaluator and N learner processes on this machine"),
+                     "a syncer, the global model's evaluator and N learner processes on this machine", flags="local"),
     "evaluator": Command("diloco_jax.evaluator.process:run_evaluator_process",
-                         "the global model's eval curve, from a gRPC syncer (an observer: it never joins)"),
+                         "the global model's eval curve, from a gRPC syncer (an observer: it never joins)",
+                         flags="evaluator"),
     "chaos": Command("diloco_jax.tools.chaos.command:run_chaos",
-                     "`local` under a seeded fault schedule (kills, stops, cut-offs, syncer restarts), with a report"),
+                     "`local` under a seeded fault schedule (kills, stops, cut-offs, syncer restarts), with a report",
+                     flags="chaos"),
     "status": Command("diloco_jax.tools.status:show_status",
                       "what a running syncer is doing: learners, fragments, counters, goodput (--watch)"),
     "plot": Command("diloco_jax.tools.plot:plot_runs",
@@ -98,12 +109,15 @@ COMMANDS: dict[str, Command | Group] = {
     "bench": BENCH,
     "tokenizer": Command("diloco_jax.tools.tokenizer:train_tokenizer", "train a SentencePiece tokenizer on text"),
     "tokenize": Command("diloco_jax.tools.tokenize:tokenize_text",
-                        "pre-tokenize text into ArrayRecord shards (data.format=\"array_record\")"),
+                        "pre-tokenize text into ArrayRecord shards (data.format=\"array_record\")",
+                        flags="tokenize", config=False),
     "export": Command("diloco_jax.tools.export:export_model",
-                      "export the global model of a syncer's checkpoint (params, config, tokenizer)"),
+                      "export the global model of a syncer's checkpoint (params, config, tokenizer)", flags="export"),
     "eval": Command("diloco_jax.tools.evaluate:evaluate_models",
-                    "loss of exported models (nats per token, bits per byte) on the eval set or any text"),
-    "sample": Command("diloco_jax.tools.sample:sample_text", "generate text from an exported model"),
+                    "loss of exported models (nats per token, bits per byte) on the eval set or any text",
+                    flags="evaluate", config=False),
+    "sample": Command("diloco_jax.tools.sample:sample_text", "generate text from an exported model",
+                      flags="sample", config=False),
     "replay": Command("diloco_jax.tools.replay:replay_tape",
                       "replay a syncer's recorded tape (--record-tape) through a fresh core, checking it bit for bit"),
     "sizes": Command("diloco_jax.tools.sizes:print_sizes",
@@ -156,7 +170,19 @@ def dispatch(program: str, args: list[str], commands: dict[str, Command | Group]
   if isinstance(entry, Group):
     return dispatch(f"{program} {name}", rest, entry.commands, help_=entry.help, epilog=entry.epilog,
                     what=entry.what)
+  if entry.flags and any(a in cli.HELP_FLAGS for a in rest):
+    print(light_help(f"{program} {name}", entry))
+    return 0
   return resolve(entry.target)([f"{program} {name}"] + rest) or 0
+
+
+def light_help(program: str, entry: Command) -> str:
+  """A command's --help from `command_flags` and its module's docstring read from source (not imported)."""
+  module = entry.target.split(":")[0]
+  spec = importlib.util.find_spec(module)  # imports the parent packages only (they import nothing heavy)
+  doc = ast.get_docstring(ast.parse(pathlib.Path(spec.origin).read_text())) or ""
+  return cli.command_help(program, doc, getattr(importlib.import_module("diloco_jax.command_flags"), entry.flags),
+                          config=entry.config)
 
 
 def main(argv: list[str] | None = None) -> int:

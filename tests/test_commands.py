@@ -77,8 +77,10 @@ def test_python_m_help_and_an_unknown_command():
     assert bad.returncode == 2 and f"unknown {what} 'nope'" in bad.stderr, bad.stderr
 
 
-def test_every_command_help_exits_0_and_names_the_command():
-  """One interpreter runs every command's --help (the imports are shared)."""
+def test_every_command_help_is_its_own_and_loads_no_jax():
+  """One interpreter runs every command's --help: exit 0, the command's usage line and its own flags; the
+  commands whose modules load jax (`Command.flags`) first, and none of them imports jax."""
+  leaves = sorted(_leaves(commands.COMMANDS), key=lambda leaf: not leaf[1].flags)  # the light help first
   code = ("import contextlib, io, json, sys\n"
           "from diloco_jax import commands\n"
           "out = {}\n"
@@ -89,12 +91,44 @@ def test_every_command_help_exits_0_and_names_the_command():
           "      rc = commands.main(['python -m diloco_jax', *path, '--help'])\n"
           "  except SystemExit as e:\n"
           "    rc = e.code\n"
-          "  out[' '.join(path)] = [rc, buf.getvalue().split(chr(10))[0]]\n"
+          "  out[' '.join(path)] = [rc, buf.getvalue(), 'jax' in sys.modules]\n"
           "print(json.dumps(out))\n")
-  paths = [list(path) for path, _ in _leaves(commands.COMMANDS)]
-  proc = subprocess.run([sys.executable, "-c", code, json.dumps(paths)], cwd=helpers.REPO, capture_output=True,
-                        text=True, timeout=600)
+  proc = subprocess.run([sys.executable, "-c", code, json.dumps([list(path) for path, _ in leaves])],
+                        cwd=helpers.REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  for name, (rc, first) in out.items():
-    assert rc == 0 and first == f"usage: python -m diloco_jax {name} [flags]", (name, rc, first)
+  for path, entry in leaves:
+    name = " ".join(path)
+    rc, text, jax_loaded = out[name]
+    assert rc == 0 and text.startswith(f"usage: python -m diloco_jax {name} [flags]") and "--" in text, name
+    assert not (entry.flags and jax_loaded), f"{name} --help imported jax"
+    assert ("--config" in text) == entry.config or not entry.flags, name
+  assert "--workdir" in out["train"][1] and "--model" in out["eval"][1] and "--learner-id" in out["learner"][1]
+  assert "--num-processes" in out["learner"][1]  # the flags of a multi-host learner, from the environment
+  # The light help is the module's: its docstring, word for word.
+  assert commands.resolve(commands.COMMANDS["syncer"].target).__module__ == "diloco_jax.syncer.app"
+  syncer_doc = ast.get_docstring(ast.parse((PACKAGE / "syncer" / "app.py").read_text()))
+  assert syncer_doc.strip() in out["syncer"][1]
+
+
+def _parse_calls(module: str) -> list[ast.Call]:
+  path = helpers.REPO.joinpath(*module.split(".")).with_suffix(".py")
+  return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+          and isinstance(n.func, ast.Attribute) and n.func.attr in ("parse", "parse_with_args")
+          and isinstance(n.func.value, ast.Name) and n.func.value.id == "cli"]
+
+
+def test_a_command_with_light_help_parses_with_the_flags_the_table_names():
+  """The help built from `command_flags` is what the command parses: its module calls
+  `cli.parse(argv, command_flags.<Command.flags>, ...)` with `config` as the table says."""
+  light = [(path, entry) for path, entry in _leaves(commands.COMMANDS) if entry.flags]
+  assert len(light) >= 12
+  for path, entry in light:
+    calls = _parse_calls(entry.target.split(":")[0])
+    assert len(calls) == 1, (path, len(calls))
+    define = calls[0].args[1]
+    assert isinstance(define, ast.Attribute) and define.value.id == "command_flags", path
+    assert define.attr == entry.flags, (path, define.attr, entry.flags)
+    config = {k.arg: k.value for k in calls[0].keywords}.get("config")
+    # config=False literally, or a run-time choice (chaos: not when it only summarizes): help shows --config
+    assert (isinstance(config, ast.Constant) and config.value is False) == (not entry.config), path

@@ -7,7 +7,8 @@ The layers, bottom to top (a module imports its own layer and those below, never
   0  config/, outer/                       settings and the numpy outer step: no jax
   1  protocol/, compute/, data/            messages and wire; the JAX core; the data pipeline
   2  cli.py, metrics.py                    shells shared by every process and tool (flags, metrics files)
-  3  syncer/, transports/, learner/, evaluator/   the runtime's parts (their own rules below)
+  3  syncer/, transports/, learner/, evaluator/   the runtime's parts (their own rules below);
+     command_flags.py                      the flags of the commands that load jax (their light --help)
   4  runs/                                 in-process run, local launcher, baseline, end-of-run outputs
   5  tools/                                what a user runs to measure, plot, inspect or prepare
   6  commands.py, __main__.py             the one commands table (names tools by string, imports none)
@@ -171,7 +172,8 @@ LAYERS = [
     ("diloco_jax.config", "diloco_jax.outer"),
     ("diloco_jax.protocol", "diloco_jax.compute", "diloco_jax.data"),
     ("diloco_jax.cli", "diloco_jax.metrics"),
-    ("diloco_jax.syncer", "diloco_jax.transports", "diloco_jax.learner", "diloco_jax.evaluator"),
+    ("diloco_jax.syncer", "diloco_jax.transports", "diloco_jax.learner", "diloco_jax.evaluator",
+     "diloco_jax.command_flags"),
     ("diloco_jax.runs",),
     ("diloco_jax.tools",),
     ("diloco_jax.commands", "diloco_jax.__main__"),

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 
 # jax has no public key-value API for the coordination service; orbax's multihost utilities reach the
 # same client this way.
@@ -372,25 +371,8 @@ class Broadcaster:
     return self._chunks(owned.size, transfer, copy=self._leader)
 
 
-def define_flags(fv) -> None:
-  """The learner process's flags for spanning several processes (defaults from the environment)."""
-  env_int = lambda name: int(os.environ[name]) if os.environ.get(name, "").strip() else None
-  flags.DEFINE_bool("distributed", False, "this learner spans several processes (one per host of a TPU "
-                    "slice): initialize jax.distributed, auto-detected on Cloud TPU; implied by "
-                    "--num-processes > 1", flag_values=fv)
-  flags.DEFINE_string("coordinator", os.environ.get("DILOCO_COORDINATOR"), "host:port of the jax.distributed "
-                      "coordinator, which process 0 starts (env DILOCO_COORDINATOR)", flag_values=fv)
-  flags.DEFINE_integer("num-processes", env_int("DILOCO_NUM_PROCESSES"), "processes of this learner (env "
-                       "DILOCO_NUM_PROCESSES)", flag_values=fv)
-  flags.DEFINE_integer("process-id", env_int("DILOCO_PROCESS_ID"), "this process's index in [0, "
-                       "--num-processes); process 0 talks to the syncer (env DILOCO_PROCESS_ID)", flag_values=fv)
-  flags.DEFINE_integer("init-timeout-s", 300, "how long the processes wait for each other at start "
-                       "(jax.distributed's initialization timeout: hosts of a slice can come up minutes apart)",
-                       flag_values=fv)
-
-
 def spec_from_flags(fv) -> DistributedSpec:
-  """The DistributedSpec of `define_flags`'s flags; raises ValueError naming a bad flag."""
+  """The DistributedSpec of the flags `command_flags.distributed` defines; raises ValueError naming a bad flag."""
   num = fv["num-processes"].value
   explicit = num is not None and num > 1
   spec = DistributedSpec(coordinator=fv.coordinator, num_processes=num if num is not None else 1,

@@ -17,9 +17,7 @@ import logging
 import sys
 import threading
 
-from absl import flags
-
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import plans
@@ -31,14 +29,6 @@ from diloco_jax.transports.errors import AuthError, SyncerUnreachable
 from diloco_jax.transports.grpc_client import GrpcTransport
 
 EXIT_FAILED = cli.EXIT_FAILED
-
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  client_flags.define(fv)
-  flags.DEFINE_string("workdir", None, "where the eval records go (metrics.jsonl, event files, summary.json)",
-                      flag_values=fv, required=True)
-  flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
-  flags.DEFINE_float("poll-s", 1.0, "seconds between two looks at the syncer's progress", flag_values=fv)
 
 
 def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "", tls: dict | None = None,
@@ -99,7 +89,7 @@ def run(config, *, targets: list[str], workdir: str, token: str, run_id: str = "
 
 def run_evaluator_process(argv) -> int:
   """`python -m diloco_jax evaluator --config C --syncer HOST:PORT --workdir D`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.evaluator, doc=__doc__)
   cli.configure_logging(logging.WARNING)
   config = cli.validated(fv.config, None, learners=True)
   cli.check_workdir(config, fv.workdir, fv["run-id"].value)

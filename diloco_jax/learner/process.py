@@ -24,9 +24,8 @@ import time
 from collections.abc import Callable
 
 import jax
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import multihost, plans
@@ -72,21 +71,6 @@ class ShutdownWatchdog:
   def disarm(self) -> None:
     if self._timer is not None:
       self._timer.cancel()
-
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  client_flags.define(fv)  # --syncer, --token-file, --tls-*
-  flags.DEFINE_integer("learner-id", None, "this learner's id, in [0, learners.num)", flag_values=fv,
-                       required=True)
-  flags.DEFINE_string("workdir", None, "this learner's directory (checkpoints, metrics, summary.json)",
-                      flag_values=fv, required=True)
-  flags.DEFINE_string("run-id", "", "run id: must be the syncer's (it enters the fingerprint)", flag_values=fv)
-  flags.DEFINE_integer("devices", None, "devices of this learner (default learners.device_counts[id], else "
-                       "learners.devices)",
-                       flag_values=fv)
-  flags.DEFINE_string("checkpoint-dir", None, "where checkpoints go, local or gs:// (default "
-                      "WORKDIR/checkpoints)", flag_values=fv)
-  multihost.define_flags(fv)
 
 
 def _say_started(config, learner, learner_id: int, k: int, devices, targets: list[str], fingerprint: str,
@@ -247,7 +231,7 @@ def _start_group(config, k: int, devices) -> tuple:
 
 def run_learner_process(argv) -> int:
   """`python -m diloco_jax learner --config CFG --syncer HOST:PORT --learner-id N --workdir DIR`."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.learner, doc=__doc__)
   # A line per retry of an unreachable or busy syncer: what it waits for.
   cli.configure_logging(logging.WARNING, info_loggers=(retry_lib.log,))
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack

@@ -20,9 +20,8 @@ import pathlib
 import time
 
 import jax
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import model as model_lib
@@ -102,14 +101,8 @@ def run(config, workdir: str, *, quiet: bool = False, export: bool = True) -> di
   return summary
 
 
-def _flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).", flag_values=fv,
-                      required=True)
-  flags.DEFINE_bool("export", True, "export the final model to WORKDIR/model", flag_values=fv)
-
-
 def train_baseline(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.baseline, doc=__doc__)
   c = fv.config
   need = c.mesh.num_devices or c.learners.num * c.learners.devices
   config = cli.validated(c, len(cli.devices(need, "baseline")), learners=False)

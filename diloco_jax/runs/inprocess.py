@@ -19,9 +19,8 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.compute import mesh as mesh_lib
@@ -260,17 +259,9 @@ def _summary(job: InProcessRun, evaluator, results: list[dict], final: dict | No
   }
 
 
-def _flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("workdir", None, "Output directory (metrics, checkpoints, summary.json).",
-                      flag_values=fv, required=True)
-  flags.DEFINE_bool("export", True, "export the global model to WORKDIR/model at the end", flag_values=fv)
-  flags.DEFINE_string("record-tape", None, "append every step of the syncer's state machine to this file "
-                      "(`python -m diloco_jax replay --tape FILE` replays it bit for bit)", flag_values=fv)
-
-
 def train(argv) -> int:
   """`python -m diloco_jax train --config C --workdir D`; see the module docstring."""
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.train, doc=__doc__)
   c = fv.config
   # The learners' slices and the evaluator's.
   counts = config_lib.resolve(c).learners.device_counts  # sized before validating (resolve never raises)

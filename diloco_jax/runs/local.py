@@ -22,9 +22,8 @@ import time
 
 # jax only serves the final eval, on devices this launcher sets up in `launch` before the backend starts.
 import jax
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.evaluator import loop as eval_loop
@@ -38,25 +37,6 @@ EXIT_FAILED = cli.EXIT_FAILED
 # The figures of a summary that each segment of a resumed run counts for itself (the rest are the run's so far).
 SEGMENT_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "payload_bytes_sent", "payload_bytes_received",
                   "comm_bytes")
-
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("workdir", None, "run directory (token, logs, syncer/, learner_<i>/, summary.json)",
-                      flag_values=fv, required=True)
-  flags.DEFINE_integer("learners", 0, "learner processes (default config.learners.num; sets it)",
-                       flag_values=fv)
-  flags.DEFINE_string("run-id", "local", "run id (enters the fingerprint; keep it to resume a workdir)",
-                      flag_values=fv)
-  flags.DEFINE_bool("eval", True, "run the global model's evaluator, and evaluate the syncer's final global "
-                    "model (loads its checkpoint)", flag_values=fv)
-  flags.DEFINE_bool("export", True, "with --eval, export that model to WORKDIR/model", flag_values=fv)
-  flags.DEFINE_float("stop-timeout-s", 60.0, "grace for a child after SIGTERM before SIGKILL",
-                     flag_values=fv)
-  flags.DEFINE_float("start-timeout-s", 300.0, "how long to wait for the syncer's port file", flag_values=fv)
-  flags.DEFINE_integer("hosts-per-learner", 1, "processes per learner (jax.distributed on loopback), each "
-                       "with 1/H of the learner's fake CPU devices", flag_values=fv)
-  flags.DEFINE_integer("syncer-shards", 1, "syncer processes, each owning some fragments (at most "
-                       "outer.num_fragments)", flag_values=fv, lower_bound=1)
 
 
 def evaluate_global(config, syncer_dirs: list[pathlib.Path], run_id: str, export_dir: pathlib.Path | None = None
@@ -106,7 +86,7 @@ def merged_summary(workdir: pathlib.Path, num: int, status: dict | None, wall_s:
 
 def launch(argv) -> int:
   """`python -m diloco_jax local --config CFG --learners N --workdir DIR`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.local, doc=__doc__)
   config, config_argv, counts = _run_config(fv, argv)
   hosts, shards = fv["hosts-per-learner"].value, fv["syncer-shards"].value
   # The launcher's own jax (the final eval) gets learner 0's CPU devices; set before first use.

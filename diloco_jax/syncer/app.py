@@ -23,9 +23,7 @@ import pathlib
 import socket
 import threading
 
-from absl import flags
-
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.protocol import run_token
@@ -76,31 +74,6 @@ class PeriodicCheckpointer:
     step = self.save()
     self._ckpt.wait()
     return step
-
-
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("workdir", None, "where syncer checkpoints and the port file go", flag_values=fv,
-                      required=True)
-  flags.DEFINE_string("bind", "127.0.0.1:50051", "host:port to serve on (port 0: any free port)",
-                      flag_values=fv)
-  flags.DEFINE_string("token-file", None, f"file holding the run token (else ${run_token.TOKEN_ENV})",
-                      flag_values=fv)
-  flags.DEFINE_string("run-id", "", "run id, part of the fingerprint every learner must match",
-                      flag_values=fv)
-  flags.DEFINE_string("tls-cert", None, "PEM server certificate (enables TLS)", flag_values=fv)
-  flags.DEFINE_string("tls-key", None, "PEM private key of --tls-cert", flag_values=fv)
-  flags.DEFINE_string("tls-client-ca", None, "PEM CA: require client certificates it signed (mutual TLS)",
-                      flag_values=fv)
-  flags.DEFINE_bool("allow-remote", False, "permit binding a non-loopback address", flag_values=fv)
-  flags.DEFINE_integer("max-workers", 0, "RPC worker threads (0: sized for the run's learners, at least 32)",
-                       flag_values=fv)
-  flags.DEFINE_bool("resume", True, "resume from the latest checkpoint in --workdir", flag_values=fv)
-  flags.DEFINE_integer("shard", 0, "this process's shard of a sharded syncer, in [0, --shards)", flag_values=fv)
-  flags.DEFINE_integer("shards", 1, "syncer shards of the run (each a process owning some fragments)",
-                       flag_values=fv)
-  flags.DEFINE_string("record-tape", None, "append every step of the syncer's state machine to this file "
-                      "(a debugging record: `python -m diloco_jax replay --tape FILE` replays it bit for bit)",
-                      flag_values=fv)
 
 
 def _tls_from_flags(fv) -> TlsConfig | None:
@@ -211,7 +184,7 @@ class _Serving:
 
 def run_syncer_process(argv) -> int:
   """`python -m diloco_jax syncer --config ... --workdir ... [--bind ...]`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.syncer, doc=__doc__)
   cli.configure_logging(logging.INFO)
   config, token, tls = _checked(fv)
   workdir = pathlib.Path(fv.workdir)

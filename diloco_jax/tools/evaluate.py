@@ -25,9 +25,8 @@ from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax.compute import inner
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.config.schema import ConfigError
@@ -107,19 +106,9 @@ def evaluate(model: export_lib.Model, windows: Sequence[np.ndarray], batch_size:
   return EvalResult(nats=nats, tokens=tokens, bytes=nbytes)
 
 
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_multi_string("model", None, "exported model directory (repeat to compare several)",
-                            flag_values=fv, required=True)
-  flags.DEFINE_string("data", None, "text file or directory to evaluate on (default: each model's own eval "
-                      "set)", flag_values=fv)
-  flags.DEFINE_integer("batch-size", 0, "windows per batch (default data.global_batch)", flag_values=fv)
-  flags.DEFINE_integer("devices", 0, "devices to use (default all)", flag_values=fv)
-  flags.DEFINE_bool("json", False, "print one JSON object per model instead of a line", flag_values=fv)
-
-
 def evaluate_models(argv) -> int:
   """`python -m diloco_jax eval --model DIR [--model DIR ...] [--data PATH]`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
+  fv = cli.parse(argv, command_flags.evaluate, doc=__doc__, config=False)
   cli.enable_compilation_cache()
   devices = jax.devices()[:fv.devices or None]
   texts = None

@@ -14,24 +14,14 @@ from __future__ import annotations
 
 import sys
 
-from absl import flags
-
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax.runs import export as export_lib
 
 
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("syncer-workdir", None, "the syncer's --workdir (or an in-process run's WORKDIR/syncer); "
-                      "a sharded syncer's: every shard's, comma-separated", flag_values=fv, required=True)
-  flags.DEFINE_string("run-id", "", "the run's id (the syncer's --run-id; `local` uses 'local', `train` "
-                      "'in-process')", flag_values=fv)
-  flags.DEFINE_string("out", None, "model directory to write (local or gs://)", flag_values=fv, required=True)
-
-
 def export_model(argv) -> int:
   """`python -m diloco_jax export --syncer-workdir DIR --config C [--run-id R] --out DIR`."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.export, doc=__doc__)
   config = cli.validated(fv.config, None, learners=True, data=False)
   run_id = fv["run-id"].value
   try:

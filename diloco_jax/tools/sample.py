@@ -19,9 +19,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.runs import export as export_lib
@@ -76,21 +75,9 @@ def generate(model: export_lib.Model, prompt_ids, *, max_new_tokens: int, temper
   return np.asarray(new, np.int32)
 
 
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("model", None, "exported model directory", flag_values=fv, required=True)
-  flags.DEFINE_string("prompt", "", "text to continue", flag_values=fv)
-  flags.DEFINE_integer("max-tokens", 200, "tokens to generate at most", flag_values=fv)
-  flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sample from softmax(logits / temperature)",
-                     flag_values=fv)
-  flags.DEFINE_integer("top-k", 0, "with a temperature, draw among the k most likely tokens (0: all)",
-                       flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "random seed of the draws", flag_values=fv)
-  flags.DEFINE_integer("devices", 0, "devices to use (default all)", flag_values=fv)
-
-
 def sample_text(argv) -> int:
   """`python -m diloco_jax sample --model DIR --prompt TEXT`; see the module docstring."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
+  fv = cli.parse(argv, command_flags.sample, doc=__doc__, config=False)
   cli.enable_compilation_cache()
   if fv.temperature < 0:
     raise cli.UsageError(f"--temperature must be >= 0, got {fv.temperature}")

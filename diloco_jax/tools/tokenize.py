@@ -17,30 +17,17 @@ from __future__ import annotations
 
 import tempfile
 
-from absl import flags
 from etils import epath
 
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax.config.schema import ConfigError
 from diloco_jax.data import shards, token_windows
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("tokenizer", None, "SentencePiece model (`python -m diloco_jax tokenizer`)",
-                      flag_values=fv, required=True)
-  flags.DEFINE_string("data", None, "text file or directory (local or gs://)", flag_values=fv, required=True)
-  flags.DEFINE_string("out", None, "output directory (local or gs://)", flag_values=fv, required=True)
-  flags.DEFINE_integer("shards", 16, "train files (a learner reads windows of all of them)", flag_values=fv)
-  flags.DEFINE_integer("eval-shards", 1, "eval files", flag_values=fv)
-  flags.DEFINE_float("eval-fraction", 0.05, "expected fraction of files held out for eval", flag_values=fv)
-  flags.DEFINE_integer("chunk-tokens", shards.CHUNK_TOKENS, "tokens per ArrayRecord record", flag_values=fv)
-  flags.DEFINE_integer("max-bytes", 0, "read at most this much text (0 = all)", flag_values=fv)
-
-
 def tokenize_text(argv) -> int:
   """`python -m diloco_jax tokenize --tokenizer FILE --data PATH --out DIR --shards N`."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__, config=False)
+  fv = cli.parse(argv, command_flags.tokenize, doc=__doc__, config=False)
   try:
     tok = tokenizer_lib.load(fv.tokenizer)
   except ConfigError as e:
@@ -52,7 +39,8 @@ def tokenize_text(argv) -> int:
       local = staging if remote else out
       meta = shards.write_shards(tok, fv.data, local, num_shards=fv.shards,
                                  num_eval_shards=fv["eval-shards"].value, eval_fraction=fv["eval-fraction"].value,
-                                 chunk_tokens=fv["chunk-tokens"].value, max_bytes=fv["max-bytes"].value)
+                                 chunk_tokens=fv["chunk-tokens"].value or shards.CHUNK_TOKENS,
+                                 max_bytes=fv["max-bytes"].value)
       if remote:
         dest = epath.Path(out)
         dest.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 
 import helpers
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax.compute import checkpoint as checkpoint_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.compute import multihost
@@ -318,7 +318,7 @@ def test_launcher_with_hosts_per_learner(tmp_path):
 
 def _spec(*args):
   fv = flags.FlagValues()
-  multihost.define_flags(fv)
+  command_flags.distributed(fv)
   fv(["prog", *args])
   return multihost.spec_from_flags(fv)
 

@@ -10,6 +10,7 @@ import pytest
 
 import helpers
 from configs import tiny_cpu
+from diloco_jax import command_flags
 from diloco_jax import config as config_lib
 from diloco_jax.runs import children, local
 from diloco_jax.runs.launcher import Launcher
@@ -75,7 +76,7 @@ def test_the_suggested_batch_of_three_learners_works(capsys, monkeypatch):
   """learners.num=3 with a batch of 16: the error names a batch; with it, the same command validates."""
   monkeypatch.chdir(helpers.REPO)
   argv = ["python -m diloco_jax local", "--config", "configs/tiny_cpu.py", "--learners", "3", "--workdir", "x"]
-  fv = local.cli.parse(argv, local._define_flags)
+  fv = local.cli.parse(argv, command_flags.local)
   with pytest.raises(SystemExit) as e:
     local._run_config(fv, argv)
   assert e.value.code == 2
@@ -84,7 +85,7 @@ def test_the_suggested_batch_of_three_learners_works(capsys, monkeypatch):
   suggestion = line.rsplit("e.g. ", 1)[1]
   assert suggestion.startswith("--config.data.global_batch=")
   fixed = [*argv, suggestion]
-  config, _, counts = local._run_config(local.cli.parse(fixed, local._define_flags), fixed)
+  config, _, counts = local._run_config(local.cli.parse(fixed, command_flags.local), fixed)
   assert config.learners.num == 3 and config.data.global_batch == int(suggestion.split("=")[1])
 
 

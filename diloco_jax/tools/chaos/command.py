@@ -22,9 +22,7 @@ import os
 import pathlib
 import sys
 
-from absl import flags
-
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax.runs import children as run_children
 from diloco_jax.tools.chaos import job as job_lib
 from diloco_jax.tools.chaos import report as report_lib
@@ -32,30 +30,11 @@ from diloco_jax.tools.chaos import schedule as schedule_lib
 from diloco_jax.tools.chaos.analysis import verdict
 
 
-def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("learners", 3, "learner processes (the per-learner batch of the config is kept)",
-                       flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "seed of the standard schedule (times and targets)", flag_values=fv)
-  flags.DEFINE_string("schedule", None, "a JSON list of events instead of the standard schedule",
-                      flag_values=fv)
-  flags.DEFINE_string("workdir", "runs/chaos", "run directory: reference/, chaos/, report.json, timeline.png",
-                      flag_values=fv)
-  flags.DEFINE_string("reference", None, "reuse the undisturbed run of this report.json (same config and "
-                      "learners) instead of measuring it", flag_values=fv)
-  flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
-  flags.DEFINE_string("run-id", "chaos", "run id", flag_values=fv)
-  flags.DEFINE_integer("eval-batches", 0, "batches the final global model of both runs is evaluated on (0: "
-                       "the config's data.eval_batches; the few a config evaluates on during training are "
-                       "too noisy to compare two runs' final losses)", flag_values=fv)
-  flags.DEFINE_list("summarize", None, "instead of running: print a markdown table of these report.json "
-                    "files (e.g. runs/sweep/seed*/report.json)", flag_values=fv)
-
-
 def run_chaos(argv) -> int:
   """`python -m diloco_jax chaos --config C --learners N --seed S [--schedule FILE]`; see the docstring."""
   # --summarize only reads reports: it needs no --config.
   summarize = any(a == "--summarize" or a.startswith("--summarize=") for a in argv[1:])
-  fv = cli.parse(argv, _define_flags, doc=__doc__, config=not summarize)
+  fv = cli.parse(argv, command_flags.chaos, doc=__doc__, config=not summarize)
   if summarize:
     paths = sorted({p for pattern in fv.summarize for p in glob.glob(pattern)})
     reports = [json.loads(pathlib.Path(p).read_text()) for p in paths]

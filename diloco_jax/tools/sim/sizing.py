@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 
-from absl import flags
-
-from diloco_jax import cli
+from diloco_jax import cli, command_flags
 from diloco_jax import config as config_lib
 from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model
@@ -220,17 +218,9 @@ def format_sizing(s: dict, config) -> str:
   return "\n".join(lines)
 
 
-def _define_flags(fv):
-  flags.DEFINE_integer("learners", 0, "M, the number of learners (default: config.learners.num)", flag_values=fv)
-  flags.DEFINE_float("step-s", 0.0, "inner step time in seconds, to print average bandwidths", flag_values=fv)
-  flags.DEFINE_bool("json", False, "print JSON instead of text", flag_values=fv)
-  flags.DEFINE_list("accelerators", [], "TPU slices to size a learner's device memory on, e.g. v5p-128,v6e-256 "
-                    "(default: the shipped config's presets, `hbm.PRESETS`)", flag_values=fv)
-
-
 def sim_sizing(argv) -> int:
   """`python -m diloco_jax sim sizing --config CFG [--learners M] [--step-s S] [--json]`."""
-  fv = cli.parse(argv, _define_flags, doc=__doc__)
+  fv = cli.parse(argv, command_flags.sim_sizing, doc=__doc__)
   if fv.learners < 0 or fv["step-s"].value < 0:
     raise cli.UsageError("--learners and --step-s must be >= 0")
   config = fv.config  # as configured, not resolved: sizing derives its figures for --learners learners
