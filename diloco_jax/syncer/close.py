@@ -55,7 +55,8 @@ def close_round(state: SyncerState, p: int, why: str, settings, downlink: Downli
   fragment.global_norm, fragment.momentum_norm = result.global_norm, result.momentum_norm
   fragment.pending_share, fragment.cycle_open = pending_share, not full
   first = fragment.version + 1
-  _publish(fragment, downlink.commit(p, first, fragment.global_vec, held=[c.base_version for c in cs]),
+  _publish(fragment, downlink.commit(p, first, fragment.global_vec, held=[c.base_version for c in cs],
+                                           learners=[c.learner_id for c in cs]),
            s.sizes[p], state.members, p, started)
   took = clock() - started
   fragment.t_sync = took if fragment.t_sync == 0.0 else (1 - T_SYNC_EMA) * fragment.t_sync + T_SYNC_EMA * took

@@ -235,15 +235,17 @@ class Machine:
 
   # ---- pulls ----
 
-  def poll(self, p, min_version, have_version, have_epoch) -> tuple[Published | None, float | None]:
-    """One look of a waiting pull: (the answer, None) once the version is there, else (None, the next tick)."""
+  def poll(self, p, min_version, have_version, have_epoch, learner=None) -> tuple[Published | None, float | None]:
+    """One look of a waiting pull (of `learner`, None: unknown): (the answer, None) once the version is
+    there, else (None, the next tick)."""
     st = self.state
     self.tick()
     fragment = st.fragments[p]
     # After a refused round, a wait for the version it was to make ends with the current one.
     if fragment.version >= min_version or (fragment.refused_at == fragment.version
                                            and min_version == fragment.version + 1):
-      published = self.downlink.answer(p, min(min_version, fragment.version), have_version, have_epoch)
+      published = self.downlink.answer(p, min(min_version, fragment.version), have_version, have_epoch,
+                                       learner if learner is not None and learner >= 0 else None)  # not observers
       st.counters["pulls_delta" if published.kind == Kind.DELTA else "pulls_full"] += 1
       st.counters["bytes_out"] += len(published.payload)
       self._changed(False)
