@@ -31,6 +31,7 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.runs import baseline, inprocess
+from diloco_jax.tools.bench import frontier as frontier_lib
 from diloco_jax.tools.bench import seeds as seeds_lib
 
 # The goals this benchmark reports against (issue 22): DiLoCo's eval loss (the seeds' mean) within this
@@ -50,6 +51,10 @@ def _flags(fv):
                       "(default <workdir>/quality.png).", flag_values=fv)
   flags.DEFINE_integer("seeds", 1, "Seeds to repeat every pair at (the config's seed + 0 .. N-1).",
                        lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("frontier", None, "JSONL file of the loss-against-bytes frontier: this run's points are "
+                      "appended and FILE.png redrawn with every point (tools/bench/frontier.py).", flag_values=fv)
+  flags.DEFINE_string("label", None, "This run's name on the frontier (default: its outer settings).",
+                      flag_values=fv)
   flags.DEFINE_bool("ladder", False, "Also train the rungs of `ladder` (the parts of Decoupled DiLoCo put "
                     "back one at a time) and print each one's share of the gap.", flag_values=fv)
 
@@ -279,11 +284,25 @@ def bench_quality(argv) -> int:
         _print_ladder(results[b])
       print(f"\ngoal: {_goal_line(b, results[b])}")
   config.train.steps = base_steps
+  _report(fv, config, results, root)
+  return 0
+
+
+def _report(fv, config, results: dict[int, dict], root: pathlib.Path) -> None:
+  """The plots (budgets, frontier) and the output: JSON, or the table of budgets."""
+  budgets = sorted(results)
   out = {"budgets": {str(b): r for b, r in results.items()}, "config": _settings(config)}
   if len(budgets) > 1:
     out["plot"] = plot(results, fv.plot or str(root / "quality.png"))
+  if fv.frontier:
+    label = fv.label or (f"K={config.outer.min_quorum or 'all'} H={config.outer.sync_every} "
+                         f"{config.outer.codec} lr {config.outer.lr:g}/{config.outer.momentum:g}")
+    points = frontier_lib.append(fv.frontier, [frontier_lib.point(label, b, r) for b, r in results.items()])
+    out["frontier"] = frontier_lib.plot(points, str(pathlib.Path(fv.frontier).with_suffix(".png")))
   if fv.json:
-    print(json.dumps(out if len(budgets) > 1 else {**results[budgets[0]], "config": _settings(config)}, indent=2))
+    single = {**results[budgets[0]], "config": _settings(config),
+              **({"frontier": out["frontier"]} if fv.frontier else {})}
+    print(json.dumps(out if len(budgets) > 1 else single, indent=2))
   elif len(budgets) > 1:
     print(f"\n{'budget':>8}{'steps':>8}{'tokens':>12}{'DP loss':>10}{'DiLoCo':>10}{'ratio':>9}{'min..max':>16}"
           f"{'bytes':>9}  goal" + (f" (means of {fv.seeds} seeds)" if fv.seeds > 1 else ""))
@@ -294,4 +313,5 @@ def bench_quality(argv) -> int:
             f"{r['diloco_eval_loss']:>10.4f}{r['loss_ratio']:>9.4f}{ratio['min']:>8.4f}..{ratio['max']:.4f}"
             f"{r['bytes_ratio']:>8.1f}x  {_goal_line(b, r)}")
     print(f"\nplot: {out['plot']}")
-  return 0
+  if fv.frontier and not fv.json:
+    print(f"frontier: {out['frontier']} ({fv.frontier})")

@@ -88,7 +88,11 @@ def test_seeds_change_the_runs_and_the_summary_is_theirs(tmp_path, capsys):
   argv = ["bench quality", "--config", "configs/tiny_cpu.py", "--config.train.steps=2", "--config.seed=3",
           "--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.log_every=2",
           "--config.outer.sync_every=2", "--config.data.max_bytes=60000", "--config.data.eval_batches=1",
-          *SMALL, "--seeds=2", f"--workdir={tmp_path / 'q'}", "--json"]
+          *SMALL, "--seeds=2", f"--workdir={tmp_path / 'q'}", "--json",
+          f"--frontier={tmp_path / 'f.jsonl'}", "--label=tiny"]
+  (tmp_path / "f.jsonl").write_text(json.dumps({"label": "earlier", "steps": 8, "budget": 1, "seeds": 3,
+                                                "loss_ratio": 1.1, "loss_ratio_min": 1.05,
+                                                "loss_ratio_max": 1.2, "bytes_ratio": 30.0}) + "\n")
   assert quality.bench_quality(argv) == 0
   out = json.loads(capsys.readouterr().out)
   runs = out["seeds"]
@@ -104,6 +108,13 @@ def test_seeds_change_the_runs_and_the_summary_is_theirs(tmp_path, capsys):
   assert out["spread"]["bytes_ratio"]["min"] == min(r["bytes_ratio"] for r in runs)
   assert out["dp_eval_loss"] == pytest.approx(sum(r["dp_eval_loss"] for r in runs) / 2)
   assert (tmp_path / "q" / "seed3" / "dp").is_dir() and (tmp_path / "q" / "seed4" / "diloco").is_dir()
+  # The frontier: this run's point appended to the earlier one, and both drawn.
+  points = [json.loads(line) for line in (tmp_path / "f.jsonl").read_text().splitlines()]
+  assert [p["label"] for p in points] == ["earlier", "tiny"]
+  assert points[1]["loss_ratio"] == pytest.approx(out["loss_ratio"]) and points[1]["seeds"] == 2
+  assert (points[1]["loss_ratio_min"], points[1]["loss_ratio_max"]) == (min(ratios), max(ratios))
+  with open(out["frontier"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_summarize_averages_ratios_per_seed_and_spreads_the_rungs():
