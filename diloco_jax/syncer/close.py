@@ -9,6 +9,7 @@ non-finite value writes nothing and is refused whole); the publication is the do
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -63,6 +64,8 @@ def close_round(state: SyncerState, p: int, why: str, settings, downlink: Downli
   _count(state, p, rnd, started)
   record = rounds.decision_record(p, first, rnd, started, why, counted, weights, took,
                                   admission.refused_repeatedly(state.members))
+  if math.isfinite(result.coherence):  # RDA: how far the round's outer gradients point one way
+    record["coherence"] = result.coherence
   if len(state.decisions) == state.decisions.maxlen:
     state.decisions_dropped += 1
   state.decisions.append(record)
