@@ -11,10 +11,8 @@ adopts it, tau of its inner steps after its push:
     slack    = budget - t_quorum - t_sync       # t_quorum: open -> K-th contribution; t_sync: merge + send
     grace    = clip(gamma * slack, min_grace_s, max_grace_s)
 
-A round also closes as soon as every live learner has contributed (`round_close_time`: the whole rule).
-Learners of equal speed drift out of phase, and a grace window of a step cannot gather pushes a period
-apart: each receipt says how late its push came after the others' (`phase_offset_s`), and the learner moves
-its next sync toward them. docs/algorithm.md, "Syncer", 2. Quorum and 3. Grace window.
+A round also closes as soon as every live learner has contributed (`round_close_time`: the whole rule);
+phase alignment: `phase_offset_s`. docs/algorithm.md, "Syncer", 2. Quorum and 3. Grace window.
 """
 
 from __future__ import annotations

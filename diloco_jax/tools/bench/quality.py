@@ -6,17 +6,13 @@ codecs, H and P), then prints both final eval losses (on the same held-out batch
 the bytes each moved per worker and their ratio (`run_pair`).
 
 `--budgets 1,3,10` repeats the pair at those multiples of `train.steps`, prints the ratio and the bytes
-ratio per budget, and writes a PNG (`--plot`, default `<workdir>/quality.png`; `plot`).
+ratio per budget, and writes a PNG (`--plot`, default `<workdir>/quality.png`; `plot`). `--seeds N`
+repeats every pair (and rung) at seeds config.seed + 0 .. N-1 and prints every run with the mean and
+spread (`seeds.py`); `--frontier` adds the run to a loss-against-bytes plot (`frontier.py`).
 
-`--seeds N` repeats every pair (and rung) with `seed` = the config's seed + 0 .. N-1 (the model's init, the
-data order, the learners' pace) and prints every run, the mean and the spread (min / median / max) of the
-losses, their ratio and the bytes ratio (`summarize`); the top-level figures are then the seeds' means.
-
-`--ladder` answers where the gap comes from: at each budget it also trains Decoupled DiLoCo with the parts
-of the algorithm put back one at a time (`ladder`), from the M learners averaged exactly after every inner
-step to the config as given, and prints each rung's eval loss against data-parallel and its increase over
-the rung before: that increase is the share of the gap the part it puts back costs. docs/benchmarks.md,
-"Quality and bytes".
+`--ladder`: at each budget also Decoupled DiLoCo with the parts of the algorithm put back one at a time
+(`ladder`), from exact averaging after every inner step to the config, each rung's increase over the one
+before being the share of the gap its part costs. docs/benchmarks.md, "Quality and bytes".
 """
 
 from __future__ import annotations
