@@ -36,12 +36,13 @@ def plot(points: list[dict], path: str) -> str:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use, as above
 
-  fig, ax = plt.subplots(figsize=(7.5, 4.8))
-  for x in points:
-    ax.errorbar([x["bytes_ratio"]], [x["loss_ratio"]], fmt="o", ms=5, capsize=3,
-                yerr=[[x["loss_ratio"] - x["loss_ratio_min"]], [x["loss_ratio_max"] - x["loss_ratio"]]])
-    ax.annotate(f"{x['label']} ({x['steps']} steps, {x['seeds']} seeds)", (x["bytes_ratio"], x["loss_ratio"]),
-                textcoords="offset points", xytext=(6, 4), fontsize=7)
+  fig, ax = plt.subplots(figsize=(10, 4.8))
+  markers = "osD^vP*X"
+  for i, x in enumerate(points):
+    ax.errorbar([x["bytes_ratio"]], [x["loss_ratio"]], fmt=markers[i % len(markers)], ms=6, capsize=3,
+                yerr=[[x["loss_ratio"] - x["loss_ratio_min"]], [x["loss_ratio_max"] - x["loss_ratio"]]],
+                label=f"{x['label']} ({x['steps']} steps, {x['seeds']} seeds)")
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_xscale("log")
   ax.set_xlabel("bytes ratio (data-parallel / Decoupled DiLoCo, per worker)")
