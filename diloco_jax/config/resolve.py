@@ -122,6 +122,7 @@ class OuterSpec(_Section):
   grace_gamma: float
   min_grace_s: float
   max_grace_s: float
+  phase_gain: float
   max_norm_ratio: float
   max_in_flight: int  # resolved: 0 -> what the schedule needs
   downlink_history: int  # resolved: 0 -> 2 x learners.num

@@ -123,6 +123,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "grace_gamma": _f(0.5, E),
         "min_grace_s": _f(0.0, E),
         "max_grace_s": _f(5.0, E),
+        # A learner moves its next sync of a fragment by this share of how late its push came after the
+        # others' (learner/phase.py; 0 = off: it measured no better, docs/benchmarks.md).
+        "phase_gain": _f(0.0, E),
         "max_norm_ratio": _f(10.0, E),  # refuse an outer gradient > this x the learners' median norm (0 = off)
         # Derived: 0 = what the schedule needs, ceil(tau P / H) + 1 (`fragments.in_flight_limit`).
         "max_in_flight": _f(0, OP),

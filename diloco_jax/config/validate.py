@@ -147,6 +147,8 @@ def _validate_outer(c) -> None:
     _fail("outer.schedule_power", f"must be a finite number >= 1 (1: periodic spacing), got {o.schedule_power}")
   if o.tau < 0:
     _fail("outer.tau", f"must be >= 0, got {o.tau}")
+  if not 0.0 <= o.phase_gain <= 1.0:
+    _fail("outer.phase_gain", f"must be in [0, 1] (0: off), got {o.phase_gain}")
   if not 0.0 <= o.alpha < 1.0:
     _fail("outer.alpha", f"must be in [0, 1), got {o.alpha}")
   if not o.staleness_beta >= 0:

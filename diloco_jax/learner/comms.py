@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import statistics
 import threading
@@ -48,6 +49,8 @@ class SyncResult:
   base_version: int = -1  # for a delta: the version of the base it applies to
   epoch: int = 0  # the serving syncer's epoch: with `version`, names the reference the base becomes
   receipt: PushReceipt | None = None  # the syncer's receipt of the push (None: not accepted)
+  # The receipt's `phase_s` in this learner's steps (> 0: its push came after the others'; 0: unknown).
+  phase_steps: float = 0.0
   # The syncer restarted (another epoch) before the merged fragment came back: no `global_vec`; the
   # learner recovers (`learner/loop.py`).
   abandoned: bool = False
@@ -226,6 +229,12 @@ class Comms:
       self._payload_received += len(published.payload)
     return published, self._decode(published)
 
+  def _phase_steps(self, receipt: PushReceipt | None) -> float:
+    """The receipt's phase in this learner's steps (0 without a step time or a finite phase)."""
+    step_s = self.step_time_s
+    phase = float(receipt.phase_s) if receipt is not None else 0.0
+    return phase / step_s if step_s > 0 and math.isfinite(phase) else 0.0
+
   def _result(self, fragment: int, min_version: int, have_version: int, have_epoch: int, sync_epoch: int,
               receipt: PushReceipt | None) -> SyncResult:
     """The merged fragment of a sync made in `sync_epoch`, or `abandoned` once another epoch shows up."""
@@ -246,7 +255,7 @@ class Comms:
       published, vec = self._checked(published, fragment, have_version, have_epoch)
       return SyncResult(fragment, published.version, vec, late=bool(receipt and receipt.late),
                         kind=published.kind, base_version=published.base_version, epoch=published.epoch,
-                        receipt=receipt)
+                        receipt=receipt, phase_steps=self._phase_steps(receipt))
 
   def sync(self, fragment: int, delta, base_version: int, steps: int, tokens: int,
            base_epoch: int = 0) -> concurrent.futures.Future:

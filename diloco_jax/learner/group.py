@@ -94,22 +94,23 @@ class ProcessGroup:
 
   def _adopt_decided(self, entries, items) -> None:
     """Adopt the results a decision names: entries [index into `items`, version, kind, base_version, epoch,
-    late]; process 0 takes the vectors from its futures."""
+    late, phase_steps]; process 0 takes the vectors from its futures."""
     learner = self._learner
     chosen = [items[int(entry[0])] for entry in entries]
     for entry, item in zip(entries, chosen):
       learner.in_flight.remove(item)
-      _, version, kind, base_version, epoch, late = entry
+      _, version, kind, base_version, epoch, late, phase_steps = entry
       local = item.future.result() if self.leader else None
       result = SyncResult(item.fragment, int(version),
                           self.share(local.global_vec if local else None, item.fragment), late=bool(late),
                           kind=Kind(kind), base_version=int(base_version), epoch=int(epoch),
-                          receipt=local.receipt if local else None)
+                          receipt=local.receipt if local else None, phase_steps=float(phase_steps))
       learner.adopt_result(item, result)  # process 0 remembers the receipt (a restart may lose that merge)
 
   @staticmethod
   def _entry(index: int, result: SyncResult) -> list:
-    return [index, result.version, result.kind, result.base_version, result.epoch, bool(result.late)]
+    return [index, result.version, result.kind, result.base_version, result.epoch, bool(result.late),
+            float(result.phase_steps)]
 
   # -- the decision points ---------------------------------------------------------------------------
 

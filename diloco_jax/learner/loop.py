@@ -27,6 +27,7 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import device as device_lib
+from diloco_jax.learner import phase as phase_lib
 from diloco_jax.learner import recovery as recovery_lib
 from diloco_jax.learner import strategy as strategy_lib
 from diloco_jax.learner import summary as summary_lib
@@ -34,7 +35,6 @@ from diloco_jax.learner.comms import Comms, SyncResult
 from diloco_jax.learner.pace import StepPacer
 from diloco_jax.learner.recovery import Action, RecoveryPlan
 from diloco_jax.outer import fragments as fragments_lib
-from diloco_jax.outer import schedule as schedule_lib
 from diloco_jax.protocol import messages as protocol
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class Learner:
     self._alpha = float(outer.alpha)
     self._keep_progress = bool(outer.keep_local_progress)
     self._absence = recovery_lib.AbsenceWatch(config.learners.num)
+    self.phase = phase_lib.PhaseShift(self.plan, outer.phase_gain)  # syncs moved toward the other learners'
     self.strategy.attach(self)
 
   @property
@@ -162,6 +163,7 @@ class Learner:
     if result.receipt is not None:
       r = result.receipt
       self._merged[item.fragment].append(recovery_lib.MergedReceipt(r.epoch, r.round, item.steps, item.tokens))
+    self.phase.advise(item.fragment, item.snapshot_step, self.trainer.step, result.phase_steps)
 
   @contextlib.contextmanager
   def blocked(self):
@@ -227,7 +229,7 @@ class Learner:
       self.tokens_since[p] += tokens
     self.strategy.check_syncer()
     self.strategy.adopt_ready(step)
-    due = schedule_lib.due_fragments(self.plan, step)
+    due = self.phase.due(step)
     for p in due:
       self._snapshot(p, step)
     if self._absence.absent:

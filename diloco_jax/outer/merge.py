@@ -137,12 +137,15 @@ class RoundResult:
   """What `apply_round` did. `nonfinite`: what would have held a non-finite value ("merged outer
   gradient", "new global fragment", "outer optimizer state"); then nothing was written. Otherwise the L2
   norms of the new global and momentum (float32 sums per chunk, as `chunked.norm`). `checked`: whether a
-  read-only check pass ran first (the inputs' norms could not prove the result finite)."""
+  read-only check pass ran first (the inputs' norms could not prove the result finite). `coherence` (with
+  RDA only, else NaN): |sum_i w_i unit(v_i)| for the normalized weights, 1 when the outer gradients point
+  one way, about 1 / sqrt(k) for k orthogonal ones of equal weight (where plain averaging loses step size)."""
 
   nonfinite: tuple[str, ...]
   global_norm: float = float("nan")
   momentum_norm: float = float("nan")
   checked: bool = False
+  coherence: float = float("nan")
 
   @property
   def applied(self) -> bool:
@@ -187,7 +190,8 @@ def apply_round(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence
     if bad:
       return RoundResult(nonfinite=bad, checked=True)
   global_norm, momentum_norm = _step_in_place(grad, step, global_vec, momentum, threads)
-  return RoundResult(nonfinite=(), global_norm=global_norm, momentum_norm=momentum_norm, checked=checked)
+  return RoundResult(nonfinite=(), global_norm=global_norm, momentum_norm=momentum_norm, checked=checked,
+                     coherence=grad.coherence)
 
 
 def _round_inputs(global_vec: np.ndarray, momentum: np.ndarray, payloads: Sequence[bytes | codec.Encoded],
@@ -223,6 +227,7 @@ class _Gradient:
   chunk: int  # elements per chunk
   work: int
   factor: np.float32 = np.float32(1)
+  coherence: float = float("nan")  # RDA's direction norm (`RoundResult.coherence`)
 
   def __call__(self, a: int, b: int, buf: np.ndarray) -> np.ndarray:
     """The chunk [a, b), in buf[work:]."""
@@ -261,7 +266,7 @@ def _merged_gradient(encs: Sequence[codec.Encoded], w: np.ndarray, norms: np.nda
     sq = chunked.run(squares, encs[0].size, grad.chunk, threads, grad.work + grad.chunk)
     dnorm = float(np.sqrt(sum(sq)))
     factor = np.float32(radial / dnorm) * scale32 if dnorm > 0 else np.float32(0)
-  return dataclasses.replace(direction, factor=factor)
+  return dataclasses.replace(direction, factor=factor, coherence=dnorm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,12 +131,13 @@ def push_from(header: pb.PushHeader, payload) -> Push:
 
 def receipt_response(receipt: PushReceipt) -> pb.PushResponse:
   return pb.PushResponse(fragment=receipt.fragment, round=receipt.round, late=receipt.late, epoch=receipt.epoch,
-                         version=receipt.version)
+                         version=receipt.version, phase_s=receipt.phase_s)
 
 
 def receipt_from(response: pb.PushResponse) -> PushReceipt:
   r = response
-  return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, epoch=int(r.epoch), version=r.version)
+  return PushReceipt(fragment=r.fragment, round=r.round, late=r.late, epoch=int(r.epoch), version=r.version,
+                     phase_s=float(r.phase_s))
 
 
 def parse_receipt(data: bytes) -> PushReceipt:

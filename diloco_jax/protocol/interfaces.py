@@ -69,7 +69,7 @@ class SyncerAPI(Protocol):
     ...
 
   def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
-           have_epoch: int = 0) -> Published | None:
+           have_epoch: int = 0, learner_id: int | None = None) -> Published | None:
     ...
 
   def heartbeat(self, learner_id: int, step_time_s: float, step: int | None = None,

@@ -62,6 +62,10 @@ class PushReceipt:
   late: bool  # base_version < the fragment's version when the push arrived
   version: int = -1  # the version whose publication merges this contribution; -1: unknown
   epoch: int = 0  # the epoch of the syncer that accepted it (0: unknown)
+  # Seconds this push arrived after the middle of the other learners' latest pushes of its fragment,
+  # wrapped into half a sync period (> 0: late, < 0: early; 0: unknown). The learner moves its next sync of
+  # the fragment toward the others' by a share of it (`learner/phase.py`, `syncer/rules/quorum.py`).
+  phase_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ non-finite value writes nothing and is refused whole); the publication is the do
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -55,13 +56,16 @@ def close_round(state: SyncerState, p: int, why: str, settings, downlink: Downli
   fragment.global_norm, fragment.momentum_norm = result.global_norm, result.momentum_norm
   fragment.pending_share, fragment.cycle_open = pending_share, not full
   first = fragment.version + 1
-  _publish(fragment, downlink.commit(p, first, fragment.global_vec, held=[c.base_version for c in cs]),
+  _publish(fragment, downlink.commit(p, first, fragment.global_vec, held=[c.base_version for c in cs],
+                                           learners=[c.learner_id for c in cs]),
            s.sizes[p], state.members, p, started)
   took = clock() - started
   fragment.t_sync = took if fragment.t_sync == 0.0 else (1 - T_SYNC_EMA) * fragment.t_sync + T_SYNC_EMA * took
   _count(state, p, rnd, started)
   record = rounds.decision_record(p, first, rnd, started, why, counted, weights, took,
                                   admission.refused_repeatedly(state.members))
+  if math.isfinite(result.coherence):  # RDA: how far the round's outer gradients point one way
+    record["coherence"] = result.coherence
   if len(state.decisions) == state.decisions.maxlen:
     state.decisions_dropped += 1
   state.decisions.append(record)

@@ -145,10 +145,11 @@ class SyncerCore:
       return self._step("push_admit", push=push, check=check)
 
   def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
-           have_epoch: int = 0) -> Published | None:
+           have_epoch: int = 0, learner_id: int | None = None) -> Published | None:
     """The global fragment once its version >= min_version, waiting up to `timeout_s` real seconds; None on
-    timeout. The answer is a delta from the reference the caller holds (`have_version` of `have_epoch`)
-    when one was published, else the full fragment (`syncer/downlink.py`)."""
+    timeout. The answer is a delta from the reference the caller holds (`have_version` of `have_epoch`,
+    which of its references: the one served to `learner_id` before) when one was published, else the full
+    fragment (`syncer/downlink.py`)."""
     s = self.settings
     if not 0 <= fragment < s.num_fragments:
       raise Rejected(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} not in [0, {s.num_fragments})")
@@ -159,7 +160,7 @@ class SyncerCore:
     with self._lock:
       while True:
         published, deadline = self._step("poll", p=fragment, min_version=min_version, have_version=have_version,
-                                         have_epoch=have_epoch)
+                                         have_epoch=have_epoch, learner=learner_id)
         if published is not None:
           return published
         remaining = give_up - time.monotonic()

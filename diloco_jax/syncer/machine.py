@@ -21,6 +21,7 @@ from diloco_jax.protocol.reasons import Reason, Rejected, shorten
 from diloco_jax.syncer import close, snapshot
 from diloco_jax.syncer.downlink import Downlink
 from diloco_jax.syncer.rules import admission, membership, recovery, rounds
+from diloco_jax.syncer.rules.quorum import phase_offset_s
 from diloco_jax.syncer.state import Contribution, KeyRecord, Round, SyncerState
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,12 @@ class Machine:
     st.counters["bytes_in"] += len(push.payload)
     st.counters["contributions_late"] += int(late)
     st.counters["contributions_accepted"] += 1
+    phase = phase_offset_s(now, fragment.arrivals.get(push.learner_id),
+                           [t for i, t in fragment.arrivals.items() if i != push.learner_id])
+    fragment.arrivals[push.learner_id] = now
     # The open round publishes the next version: that one merges this push.
-    receipt = PushReceipt(fragment=p, round=fragment.rounds, late=late, epoch=st.epoch, version=fragment.version + 1)
+    receipt = PushReceipt(fragment=p, round=fragment.rounds, late=late, epoch=st.epoch, version=fragment.version + 1,
+                          phase_s=phase)
     if key is not None:
       admission.remember_key(st.keys.setdefault(push.learner_id, collections.OrderedDict()),
                              st.key_floors.setdefault(push.learner_id, {}), key, KeyRecord(push.checksum, receipt))
@@ -235,15 +240,17 @@ class Machine:
 
   # ---- pulls ----
 
-  def poll(self, p, min_version, have_version, have_epoch) -> tuple[Published | None, float | None]:
-    """One look of a waiting pull: (the answer, None) once the version is there, else (None, the next tick)."""
+  def poll(self, p, min_version, have_version, have_epoch, learner=None) -> tuple[Published | None, float | None]:
+    """One look of a waiting pull (of `learner`, None: unknown): (the answer, None) once the version is
+    there, else (None, the next tick)."""
     st = self.state
     self.tick()
     fragment = st.fragments[p]
     # After a refused round, a wait for the version it was to make ends with the current one.
     if fragment.version >= min_version or (fragment.refused_at == fragment.version
                                            and min_version == fragment.version + 1):
-      published = self.downlink.answer(p, min(min_version, fragment.version), have_version, have_epoch)
+      published = self.downlink.answer(p, min(min_version, fragment.version), have_version, have_epoch,
+                                       learner if learner is not None and learner >= 0 else None)  # not observers
       st.counters["pulls_delta" if published.kind == Kind.DELTA else "pulls_full"] += 1
       st.counters["bytes_out"] += len(published.payload)
       self._changed(False)

@@ -128,6 +128,7 @@ class FragmentState:
   norm_steps: collections.deque = dataclasses.field(
       default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))  # the steps of each norm
   refused_at: int = -1  # the version a refused round left in place
+  arrivals: dict[int, float] = dataclasses.field(default_factory=dict)  # learner -> its latest push's arrival
 
 
 @dataclasses.dataclass(slots=True)

@@ -18,6 +18,7 @@ class InProcessTransport:
   def __init__(self, core: SyncerAPI):
     self.core = core
     self._traffic = Traffic()  # updated from a learner's several threads
+    self._learner_id: int | None = None  # set by `join`: names the reference a pull holds (syncer/downlink.py)
 
   @property
   def bytes_sent(self) -> int:
@@ -28,6 +29,7 @@ class InProcessTransport:
     return self._traffic.bytes_received
 
   def join(self, learner_id: int, fingerprint: str) -> Versions:
+    self._learner_id = learner_id
     return self.core.join(learner_id, fingerprint)
 
   def leave(self, learner_id: int) -> None:
@@ -39,7 +41,8 @@ class InProcessTransport:
 
   def pull(self, fragment: int, min_version: int, timeout_s: float = 0.0, have_version: int = -1,
            have_epoch: int = 0) -> Published | None:
-    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version, have_epoch=have_epoch)
+    published = self.core.pull(fragment, min_version, timeout_s, have_version=have_version, have_epoch=have_epoch,
+                               learner_id=self._learner_id)
     if published is not None:
       self._traffic.received(len(published.payload), first=True)
     return published

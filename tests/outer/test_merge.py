@@ -234,3 +234,21 @@ def test_fused_round_is_all_or_nothing(threads, monkeypatch):
   assert not r4.applied and r4.checked and "new global fragment" in r4.nonfinite
   np.testing.assert_array_equal(state[0], theta0)
   np.testing.assert_array_equal(state[1], momentum0)
+
+
+def test_rda_reports_how_far_the_outer_gradients_point_one_way():
+  """`coherence`: 1 for outer gradients in one direction, 1 / sqrt(2) for two orthogonal ones of equal
+  weight (whatever their norms), 1 / sqrt(4) for four; NaN without RDA."""
+  n = 256
+  e = np.eye(4, n, dtype=np.float32)
+  cases = (([e[0], 3 * e[0]], 1.0), ([e[0], 5 * e[1]], 1 / np.sqrt(2)), ([e[0], e[1], e[2], e[3]], 0.5))
+  for vectors, expected in cases:
+    payloads = [codec.encode(v, "fp32", 64) for v in vectors]
+    norms = [float(np.linalg.norm(v)) for v in vectors]
+    theta, momentum = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    result = outer.apply_round(theta, momentum, payloads, [1.0] * len(vectors), codec_name="fp32", block=64,
+                               lr=1.0, mu=0.0, rda=True, norms=norms)
+    assert result.coherence == pytest.approx(expected, rel=1e-6)
+  plain = outer.apply_round(np.zeros(n, np.float32), np.zeros(n, np.float32), payloads, [1.0] * 4,
+                            codec_name="fp32", block=64, lr=1.0, mu=0.0)
+  assert np.isnan(plain.coherence)

@@ -18,6 +18,7 @@ from diloco_jax.outer import codec
 from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.runs import inprocess
 from diloco_jax.syncer import checkpoint
+from diloco_jax.syncer import downlink as downlink_lib
 
 FP = helpers.FP
 N = 300
@@ -124,9 +125,11 @@ def test_k1_learners_get_one_delta_from_the_version_they_hold():
   assert c.counters["pulls_full"] == 0 and c.counters["pulls_delta"] == 12
 
 
-def test_a_round_is_published_from_the_version_most_of_its_contributors_hold():
-  """One round, one version (the recovery protocol numbers versions as rounds + an offset): a delta from
-  the base most of its pushes hold; a contributor on another base gets the full fragment."""
+def test_a_round_is_published_from_every_base_its_contributors_hold():
+  """One round, one version (the recovery protocol numbers versions as rounds + an offset), one reference
+  per base its pushes hold: the main one from the base most of them hold, and a contributor on another base
+  gets an int4 delta from its own (before: the full fp32 fragment), which it tracks bitwise from then on; a
+  pull under its id, whatever it claims, lands on the same reference; an unknown puller gets main ones."""
   c = helpers.make_core((N,), k=3, downlink="int4", block=BLOCK, clock=helpers.FakeClock(), downlink_history=4,
                         max_grace_s=30.0)
   for i in range(3):
@@ -150,11 +153,28 @@ def test_a_round_is_published_from_the_version_most_of_its_contributors_hold():
   np.testing.assert_array_equal(held[2] + codec.decode(pub.payload, "int4", N, BLOCK), c.reference(0)[1])
   theta = c.state_dict()["fragments"][0]
   assert (np.abs(c.reference(0)[1] - theta) <= codec.error_bound(theta - held[2], "int4", BLOCK) + 1e-6).all()
-  pub1 = c.pull(0, 3, have_version=1, have_epoch=c.epoch)
-  assert (pub1.kind, pub1.version) == ("full", 3)
-  np.testing.assert_array_equal(codec.decode(pub1.payload, "fp32", N), c.reference(0)[1])
-  r = c.push(helpers.make_push(1, step(), core=c, base_version=3))
-  assert not r.late and r.version == 4
+  downlink = c._machine.downlink
+  assert c.pull(0, 3, have_version=1, have_epoch=c.epoch).kind == "full"  # unknown puller: main references only
+  pub1 = c.pull(0, 3, have_version=1, have_epoch=c.epoch, learner_id=2)
+  assert (pub1.kind, pub1.version, pub1.base_version) == ("delta", 3, 1)
+  assert len(pub1.payload) == codec.encoded_size(N, "int4", BLOCK) < 4 * N / 5  # 228 bytes, not 1,200
+  mine = held[1] + codec.decode(pub1.payload, "int4", N, BLOCK)
+  np.testing.assert_array_equal(mine, downlink._refs[0][(3, 1)])
+  assert (np.abs(mine - theta) <= codec.error_bound(theta - held[1], "int4", BLOCK) + 1e-6).all()
+  assert downlink.held_key(0, 2, 3) == (3, 1) and downlink.held_key(0, 0, 3) == (3, 0)
+  # Round 4 from both references of version 3: each learner gets one delta and holds R bitwise.
+  main3 = c.reference(0)[1]
+  for i in range(3):
+    assert c.push(helpers.make_push(i, step(), core=c, base_version=3)).version == 4
+  for i, base, ref in ((0, main3, c.reference(0)[1]), (2, mine, downlink._refs[0][(4, 1)])):
+    pub = c.pull(0, 4, have_version=3, have_epoch=c.epoch, learner_id=i)
+    assert (pub.kind, pub.version, pub.base_version) == ("delta", 4, 3)
+    np.testing.assert_array_equal(base + codec.decode(pub.payload, "int4", N, BLOCK), ref)
+  mine = downlink._refs[0][(4, 1)].copy()
+  # Under learner 2's id: a full fetch, or a claim to hold the main reference, gives its own reference.
+  np.testing.assert_array_equal(codec.decode(c.pull(0, 0, learner_id=2).payload, "fp32", N), mine)
+  assert c.pull(0, 4, have_version=3, have_epoch=c.epoch, learner_id=2).base_version == 3
+  np.testing.assert_array_equal(downlink._refs[0][(4, 1)], mine)
 
 
 def test_references_older_than_the_history_get_the_full_fragment():
@@ -306,17 +326,24 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quoru
   job = inprocess.InProcessRun(config, tmp_path, run_id="downlink-test")
   core = job.core
   # Every reference the syncer ever held, by (fragment, version).
-  refs = {(p, 0): core.reference(p)[1] for p in range(core.settings.num_fragments)}
+  refs = {(p, 0, 0): core.reference(p)[1] for p in range(core.settings.num_fragments)}
   downlink = core._machine.downlink
-  commit_downlink = downlink.commit
+  commit_downlink, served = downlink.commit, downlink._served
+  tags = {}  # (fragment, learner, version) -> the tag of the reference served
 
-  def recording(p, version, theta, held=()):
-    published = commit_downlink(p, version, theta, held)
-    for v in range(version, version + published):  # a round may publish several versions
-      refs[(p, v)] = downlink._refs[p][v].copy()
+  def recording(p, version, theta, held=(), learners=None):
+    published = commit_downlink(p, version, theta, held, learners)
+    for key, ref in downlink._refs[p].items():  # one reference per base the round's contributors held
+      if key[0] == version:
+        refs[(p, *key)] = ref.copy()
     return published
 
+  def serving(p, learner, key, published):
+    tags.setdefault((p, learner, key[0]), key[1])
+    return served(p, learner, key, published)
+
   monkeypatch.setattr(downlink, "commit", recording)
+  monkeypatch.setattr(downlink, "_served", serving)
   errors = []
 
   def work(learner):
@@ -341,8 +368,30 @@ def test_learners_hold_the_syncer_reference_bitwise(tmp_path, monkeypatch, quoru
       base = jax.tree.map(np.asarray, learner.base)
       for p in range(learner.plan.num_fragments):
         held = np.asarray(fragments_lib.gather(learner.plan, base, p), np.float32)
-        np.testing.assert_array_equal(held, refs[(p, learner.base_version[p])])
+        v = learner.base_version[p]
+        np.testing.assert_array_equal(held, refs[(p, v, tags.get((p, learner.learner_id, v), 0))])
       assert learner.base_epoch == [core.epoch] * learner.plan.num_fragments  # set by every adoption
       assert learner.stats.adopted > 0
   finally:
     job.close()
+
+
+def test_parents_are_the_references_held_most_held_first():
+  """The pure rule: one reference per base held (among those kept), the most held first (ties: the newest),
+  each learner's base named by the reference it was served; with history 1 only the first."""
+  zero = np.zeros(N, np.float32)
+  d = downlink_lib.Downlink((N,), "int4", BLOCK, [zero], epoch=7, history=4)
+  rng = np.random.default_rng(3)
+  theta = lambda: (0.1 * rng.standard_normal(N)).astype(np.float32)
+  assert d.parents(0) == [(0, 0)]
+  assert d.commit(0, 1, theta(), held=[0], learners=[0]) == 1
+  assert d.parents(0, [1, 1, 0], [0, 1, 2]) == [(1, 0), (0, 0)]
+  assert d.parents(0, [0, 1], [0, 1]) == [(1, 0), (0, 0)]  # a tie: the newest first
+  assert d.parents(0, [5, 9], [0, 1]) == [(1, 0)]  # none kept: the latest
+  assert d.commit(0, 2, theta(), held=[1, 1, 0], learners=[0, 1, 2]) == 1  # one version, two references
+  assert sorted(k for k in d._refs[0] if k[0] == 2) == [(2, 0), (2, 1)]
+  assert d.answer(0, 2, 0, 7, learner=2).base_version == 0 and d.held_key(0, 2, 2) == (2, 1)
+  assert d.parents(0, [2, 2], [0, 2]) == [(2, 0), (2, 1)]  # a tie of versions: the main reference first
+  one = downlink_lib.Downlink((N,), "int4", BLOCK, [zero], epoch=7, history=1)
+  one.commit(0, 1, theta(), held=[0], learners=[0])
+  assert one.parents(0, [1, 0], [0, 1]) == [(1, 0)]

@@ -94,18 +94,20 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("fragment", "round", "late", "epoch", "version")
+    __slots__ = ("fragment", "round", "late", "epoch", "version", "phase_s")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_S_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     late: bool
     epoch: int
     version: int
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    phase_s: float
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., phase_s: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint", "fragment", "min_version", "timeout_s", "have_version", "have_epoch")

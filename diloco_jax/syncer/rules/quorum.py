@@ -11,13 +11,14 @@ adopts it, tau of its inner steps after its push:
     slack    = budget - t_quorum - t_sync       # t_quorum: open -> K-th contribution; t_sync: merge + send
     grace    = clip(gamma * slack, min_grace_s, max_grace_s)
 
-A round also closes as soon as every live learner has contributed (`round_close_time`: the whole rule).
-docs/algorithm.md, "Syncer", 2. Quorum and 3. Grace window.
+A round also closes as soon as every live learner has contributed (`round_close_time`: the whole rule);
+phase alignment: `phase_offset_s`. docs/algorithm.md, "Syncer", 2. Quorum and 3. Grace window.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -106,3 +107,22 @@ def round_close_time(
     # Everyone alive is in: no need to wait out the grace window.
     return min(deadline, ordered[live_learners - 1])
   return deadline
+
+
+PHASE_STALE_PERIODS = 1.5  # another learner's latest push older than this many periods is not counted
+
+
+def phase_offset_s(now: float, previous_s: float | None, others_s: Sequence[float]) -> float:
+  """Seconds a push arriving at `now` lies after the middle of the other learners' latest pushes of its
+  fragment (their arrival times `others_s`), on the circle of one sync period: the time since this learner's
+  own previous push of it (`previous_s`). The middle is the circular mean of the others' arrivals (each an
+  angle, 2 pi per period); one older than `PHASE_STALE_PERIODS` periods (a stopped learner) is left out.
+  In (-period / 2, period / 2]: > 0 the push came late, < 0 early. 0 without a period or others."""
+  if previous_s is None or not now > previous_s:
+    return 0.0
+  period = now - previous_s
+  angles = [2 * math.pi * (now - t) / period for t in others_s if 0 <= now - t <= PHASE_STALE_PERIODS * period]
+  if not angles:
+    return 0.0
+  mean = math.atan2(statistics.fmean(math.sin(a) for a in angles), statistics.fmean(math.cos(a) for a in angles))
+  return mean * period / (2 * math.pi)

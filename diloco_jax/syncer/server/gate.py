@@ -186,7 +186,8 @@ class SyncerGate:
 
   def pull(self, call: PullCall, wait_s: float = 0.0) -> Published | None:
     """One look at the core (waiting up to `wait_s`)."""
-    return self.core.pull(call.fragment, call.min_version, wait_s, call.have_version, call.have_epoch)
+    return self.core.pull(call.fragment, call.min_version, wait_s, call.have_version, call.have_epoch,
+                          learner_id=call.learner_id)
 
   def long_poll(self, call: PullCall, deadline: float, slice_s: float, gone: Callable[[], bool]) -> Published | None:
     """Wait for the answer until `deadline` (monotonic) in slices of `slice_s`, so that a caller that went

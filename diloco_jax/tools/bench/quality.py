@@ -6,13 +6,13 @@ codecs, H and P), then prints both final eval losses (on the same held-out batch
 the bytes each moved per worker and their ratio (`run_pair`).
 
 `--budgets 1,3,10` repeats the pair at those multiples of `train.steps`, prints the ratio and the bytes
-ratio per budget, and writes a PNG (`--plot`, default `<workdir>/quality.png`; `plot`).
+ratio per budget, and writes a PNG (`--plot`, default `<workdir>/quality.png`; `plot`). `--seeds N`
+repeats every pair (and rung) at seeds config.seed + 0 .. N-1 and prints every run with the mean and
+spread (`seeds.py`); `--frontier` adds the run to a loss-against-bytes plot (`frontier.py`).
 
-`--ladder` answers where the gap comes from: at each budget it also trains Decoupled DiLoCo with the parts
-of the algorithm put back one at a time (`ladder`), from the M learners averaged exactly after every inner
-step to the config as given, and prints each rung's eval loss against data-parallel and its increase over
-the rung before: that increase is the share of the gap the part it puts back costs. docs/benchmarks.md,
-"Quality and bytes".
+`--ladder`: at each budget also Decoupled DiLoCo with the parts of the algorithm put back one at a time
+(`ladder`), from exact averaging after every inner step to the config, each rung's increase over the one
+before being the share of the gap its part costs. docs/benchmarks.md, "Quality and bytes".
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ from absl import flags
 from diloco_jax import cli
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.runs import baseline, inprocess
+from diloco_jax.tools.bench import frontier as frontier_lib
+from diloco_jax.tools.bench import seeds as seeds_lib
 
-# The goals this benchmark reports against: DiLoCo's eval loss within this factor of data-parallel, at
-# this multiple of the config's steps (and, for any budget, at least 100x fewer bytes).
-LOSS_GOALS = {1: 1.08, 3: 1.03}
+# The goals this benchmark reports against (issue 22): DiLoCo's eval loss (the seeds' mean) within this
+# factor of data-parallel at this multiple of the config's steps (small_cpu's 480 steps: its short-budget
+# stress test), and for any budget at least 100x fewer bytes on every seed. The primary measure, tiny_cpu
+# at about 20 tokens per parameter (~2,250 steps), is no multiple of its steps: docs/benchmarks.md.
+LOSS_GOALS = {3: 1.08}
 BYTES_GOAL = 100.0
 
 
@@ -41,8 +45,12 @@ def _flags(fv):
                     flag_values=fv)
   flags.DEFINE_string("plot", None, "PNG path for --budgets with more than one budget "
                       "(default <workdir>/quality.png).", flag_values=fv)
-
-
+  flags.DEFINE_integer("seeds", 1, "Seeds to repeat every pair at (the config's seed + 0 .. N-1).",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("frontier", None, "JSONL file of the loss-against-bytes frontier: this run's points are "
+                      "appended and FILE.png redrawn with every point (tools/bench/frontier.py).", flag_values=fv)
+  flags.DEFINE_string("label", None, "This run's name on the frontier (default: its outer settings).",
+                      flag_values=fv)
   flags.DEFINE_bool("ladder", False, "Also train the rungs of `ladder` (the parts of Decoupled DiLoCo put "
                     "back one at a time) and print each one's share of the gap.", flag_values=fv)
 
@@ -97,13 +105,13 @@ def run_pair(config, root: pathlib.Path, quiet: bool = False, rungs: bool = Fals
     runs.append(inprocess.run(c, str(workdir), quiet=quiet, export=False))
   dl = runs[-1]
   pair = {
-      "steps": config.train.steps,
+      "seed": config.seed, "steps": config.train.steps,
       "dp_eval_loss": dp["final_eval_loss"], "diloco_eval_loss": dl["final_eval_loss"],
       "loss_ratio": dl["final_eval_loss"] / dp["final_eval_loss"],
       "dp_bytes_per_worker": dp["comm_bytes"], "diloco_bytes_per_learner": dl["comm_bytes"],
       "bytes_ratio": dp["comm_bytes"] / max(dl["comm_bytes"], 1),
       "tokens": dp["tokens"], "diloco_tokens": dl["tokens"], "outer_rounds": dl["outer_rounds"],
-      "dp_wall_s": dp["wall_s"], "diloco_wall_s": dl["wall_s"],
+      "contributions_merged": dl["contributions_merged"], "dp_wall_s": dp["wall_s"], "diloco_wall_s": dl["wall_s"],
       "dp_curve": _curve(root / "dp" / "metrics.jsonl"),
       "diloco_curve": _curve(root / "diloco" / "global" / "metrics.jsonl"),  # the global model's
   }
@@ -113,6 +121,22 @@ def run_pair(config, root: pathlib.Path, quiet: bool = False, rungs: bool = Fals
                        "bytes_ratio": dp["comm_bytes"] / max(r["comm_bytes"], 1), "outer_rounds": r["outer_rounds"],
                        "wall_s": r["wall_s"]} for (name, part, _), r in zip(steps, runs)]
   return pair
+
+
+def run_seeds(config, root: pathlib.Path, seeds: int, quiet: bool = False, rungs: bool = False) -> dict:
+  """`run_pair` at `seed` = the config's + 0 .. seeds - 1 (each seed's under `root/seed<s>`, one seed's in
+  `root` itself), summarized by `summarize`. The config's seed is left as it was."""
+  first = config.seed
+  runs = []
+  try:
+    for i in range(seeds):
+      config.seed = first + i
+      if seeds > 1 and not quiet:
+        print(f"\nseed {config.seed} ({i + 1} of {seeds})", file=sys.stderr)
+      runs.append(run_pair(config, root / f"seed{config.seed}" if seeds > 1 else root, quiet=quiet, rungs=rungs))
+  finally:
+    config.seed = first
+  return seeds_lib.summarize(runs)
 
 
 def _curve(path: pathlib.Path) -> list[tuple[int, float]]:
@@ -145,13 +169,18 @@ def _print_pair(r: dict) -> None:
 
 def _print_ladder(r: dict) -> None:
   """Each rung's eval loss against data-parallel and its increase over the rung before (in % of the
-  data-parallel loss: the share of the gap the part it puts back costs)."""
-  print(f"\n{'rung':22}{'eval loss':>10}{'vs DP':>9}{'step':>9}{'bytes':>9}  puts back")
+  data-parallel loss: the share of the gap the part it puts back costs); over seeds, the means and the
+  range of the rung's ratio."""
+  seeds = len(r["seeds"])
+  print(f"\n{'rung':22}{'eval loss':>10}{'vs DP':>9}{'step':>9}{'bytes':>9}"
+        + (f"{'vs DP min..max':>18}" if seeds > 1 else "") + "  puts back")
   print(f"{'data-parallel':22}{r['dp_eval_loss']:>10.4f}")
   previous = 1.0
   for rung in r["ladder"]:
+    lo, hi = (rung["loss_ratio_spread"][k] for k in ("min", "max")) if seeds > 1 else (0, 0)
     print(f"{rung['rung']:22}{rung['eval_loss']:>10.4f}{100 * (rung['loss_ratio'] - 1):>+8.1f}%"
-          f"{100 * (rung['loss_ratio'] - previous):>+8.1f}%{rung['bytes_ratio']:>8.1f}x  {rung['puts_back']}")
+          f"{100 * (rung['loss_ratio'] - previous):>+8.1f}%{rung['bytes_ratio']:>8.1f}x"
+          + (f"{100 * (lo - 1):>+9.1f}..{100 * (hi - 1):+.1f}%" if seeds > 1 else "") + f"  {rung['puts_back']}")
     previous = rung["loss_ratio"]
 
 
@@ -159,7 +188,8 @@ def _goal_line(budget: int, r: dict) -> str:
   loss_goal = LOSS_GOALS.get(budget)
   loss = (f"eval loss within {100 * (loss_goal - 1):.0f}% "
           f"({'met' if r['loss_ratio'] <= loss_goal else 'NOT met'})" if loss_goal else "no loss goal")
-  return f"{loss}, >= {BYTES_GOAL:.0f}x fewer bytes ({'met' if r['bytes_ratio'] >= BYTES_GOAL else 'NOT met'})"
+  fewest = r["spread"]["bytes_ratio"]["min"]
+  return f"{loss}, >= {BYTES_GOAL:.0f}x fewer bytes on every seed ({'met' if fewest >= BYTES_GOAL else 'NOT met'})"
 
 
 def plot(results: dict[int, dict], path: str) -> str:
@@ -231,30 +261,53 @@ def bench_quality(argv) -> int:
         f"codec {config.outer.codec}/{config.outer.downlink_codec}, H={config.outer.sync_every} "
         f"{_schedule(config)}, P={config.outer.num_fragments}, outer lr {config.outer.lr}, "
         f"K={config.outer.min_quorum or 'all'}), "
-        f"{config.data.global_batch} sequences a step, at {', '.join(f'{b * base_steps}' for b in budgets)} steps",
+        f"{config.data.global_batch} sequences a step, at {', '.join(f'{b * base_steps}' for b in budgets)} steps"
+        + (f", seeds {config.seed} to {config.seed + fv.seeds - 1}" if fv.seeds > 1 else ""),
         file=sys.stderr)
   results = {}
   for b in budgets:
     config.train.steps = b * base_steps
-    results[b] = run_pair(config, root / f"x{b}" if len(budgets) > 1 else root, quiet=fv.json, rungs=fv.ladder)
+    results[b] = run_seeds(config, root / f"x{b}" if len(budgets) > 1 else root, fv.seeds, quiet=fv.json,
+                           rungs=fv.ladder)
     if not fv.json:
       if len(budgets) > 1:
         print(f"\nbudget {b}x ({b * base_steps} steps):")
-      _print_pair(results[b])
+      if fv.seeds > 1:
+        seeds_lib.print_seeds(results[b])
+      else:
+        _print_pair(results[b])
       if fv.ladder:
         _print_ladder(results[b])
       print(f"\ngoal: {_goal_line(b, results[b])}")
   config.train.steps = base_steps
+  _report(fv, config, results, root)
+  return 0
+
+
+def _report(fv, config, results: dict[int, dict], root: pathlib.Path) -> None:
+  """The plots (budgets, frontier) and the output: JSON, or the table of budgets."""
+  budgets = sorted(results)
   out = {"budgets": {str(b): r for b, r in results.items()}, "config": _settings(config)}
   if len(budgets) > 1:
     out["plot"] = plot(results, fv.plot or str(root / "quality.png"))
+  if fv.frontier:
+    label = fv.label or (f"K={config.outer.min_quorum or 'all'} H={config.outer.sync_every} "
+                         f"{config.outer.codec} lr {config.outer.lr:g}/{config.outer.momentum:g}")
+    points = frontier_lib.append(fv.frontier, [frontier_lib.point(label, b, r) for b, r in results.items()])
+    out["frontier"] = frontier_lib.plot(points, str(pathlib.Path(fv.frontier).with_suffix(".png")))
   if fv.json:
-    print(json.dumps(out if len(budgets) > 1 else {**results[budgets[0]], "config": _settings(config)}, indent=2))
+    single = {**results[budgets[0]], "config": _settings(config),
+              **({"frontier": out["frontier"]} if fv.frontier else {})}
+    print(json.dumps(out if len(budgets) > 1 else single, indent=2))
   elif len(budgets) > 1:
-    print(f"\n{'budget':>8}{'steps':>8}{'tokens':>12}{'DP loss':>10}{'DiLoCo':>10}{'ratio':>9}{'bytes':>9}  goal")
+    print(f"\n{'budget':>8}{'steps':>8}{'tokens':>12}{'DP loss':>10}{'DiLoCo':>10}{'ratio':>9}{'min..max':>16}"
+          f"{'bytes':>9}  goal" + (f" (means of {fv.seeds} seeds)" if fv.seeds > 1 else ""))
     for b in budgets:
       r = results[b]
+      ratio = r["spread"]["loss_ratio"]
       print(f"{str(b) + 'x':>8}{r['steps']:>8}{r['tokens']:>12,}{r['dp_eval_loss']:>10.4f}"
-            f"{r['diloco_eval_loss']:>10.4f}{r['loss_ratio']:>9.4f}{r['bytes_ratio']:>8.1f}x  {_goal_line(b, r)}")
+            f"{r['diloco_eval_loss']:>10.4f}{r['loss_ratio']:>9.4f}{ratio['min']:>8.4f}..{ratio['max']:.4f}"
+            f"{r['bytes_ratio']:>8.1f}x  {_goal_line(b, r)}")
     print(f"\nplot: {out['plot']}")
-  return 0
+  if fv.frontier and not fv.json:
+    print(f"frontier: {out['frontier']} ({fv.frontier})")

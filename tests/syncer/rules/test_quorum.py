@@ -107,3 +107,30 @@ def test_core_uses_each_contributors_own_step_time():
     c2.heartbeat(i, step)
   c2.push(helpers.make_push(0, np.ones(8)))
   assert c2.next_deadline() == pytest.approx(11.0 + 0.5 * 4 * 2.0)
+
+
+def test_phase_offset_is_how_late_a_push_came_after_the_others_on_the_period_circle():
+  # This learner pushed at 0 and now at 10: a period of 10 s.
+  assert policy.phase_offset_s(10.0, 0.0, [9.0, 9.0]) == pytest.approx(1.0)  # the others 1 s before: late
+  assert policy.phase_offset_s(10.0, 0.0, [1.0]) == pytest.approx(-1.0)  # 9 s before = 1 s after: early
+  assert policy.phase_offset_s(10.0, 0.0, [8.0, 1.0]) == pytest.approx(0.5)  # the circular middle, 9.5 s
+  # Another learner's push older than 1.5 periods (stopped) is left out; no period or nobody: 0.
+  assert policy.phase_offset_s(10.0, 0.0, [9.0, -6.0]) == pytest.approx(1.0)
+  assert policy.phase_offset_s(10.0, 0.0, [-6.0]) == 0.0
+  assert policy.phase_offset_s(10.0, None, [9.0]) == 0.0
+  assert policy.phase_offset_s(10.0, 10.0, [9.0]) == 0.0
+  assert policy.phase_offset_s(10.0, 0.0, []) == 0.0
+
+
+def test_receipts_say_how_late_each_push_came_after_the_others():
+  """The core's receipts carry `phase_offset_s` of each push against the other learners' latest pushes of
+  the same fragment (K = 1, no grace: every push its own round)."""
+  c, clock = make_core(num_learners=2, k=1, max_grace_s=0.0)
+  phases = []
+  for t, learner in ((0.0, 0), (1.0, 1), (10.0, 0), (11.0, 1), (19.5, 0)):
+    clock.t = t
+    receipt = c.push(make_push(learner, np.zeros(8, np.float32), core=c, base_version=c.status()["versions"][0]))
+    phases.append(receipt.phase_s)
+  # No period yet for either learner's first push; then learner 0 is 1 s early (learner 1 pushes 1 s after
+  # it), learner 1 1 s late, and learner 0, on a 9.5 s period, 8.5 s after learner 1: 1 s early.
+  assert phases == pytest.approx([0.0, 0.0, -1.0, 1.0, -1.0])
