@@ -277,8 +277,7 @@ class Learner:
     syncs = [recovery_lib.SettledSync(item.fragment, item.steps, item.tokens, item.future.result())
              for item in items]
     while True:
-      versions = self.comms.join()
-      plan = recovery_lib.plan_recovery(versions, syncs, self.base_version, self.base_epoch, self._merged,
+      plan = recovery_lib.plan_recovery(self.comms.join(), syncs, self.base_version, self.base_epoch, self._merged,
                                         recovery_lib.Claims(int(self.plan.longest_gap), int(self.config.train.steps)))
       named, vectors = {}, {}
       for p in plan.to_fetch():
