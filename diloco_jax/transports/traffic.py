@@ -46,6 +46,11 @@ class Traffic:
     if self.wan is not None:
       self.wan.receive(n, first=first)
 
+  def connected(self, tls: bool) -> None:
+    """A new connection is up: its set-up round trips are paid (`wan.WanLink.connect`)."""
+    if self.wan is not None:
+      self.wan.connect(tls)
+
   def check_link(self) -> None:
     """Raise `errors.LinkDown` while the emulated link is cut off."""
     if self.wan is not None:

@@ -33,7 +33,7 @@ def test_wan_cap_limits_push_throughput():
   big = helpers.make_core((n,))
   handle2 = service.serve(big, "127.0.0.1:0", token=TOKEN)
   cap = 4e6  # bytes/s
-  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_bytes=16 * 1024))
+  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_s=16 * 1024 / cap))
   try:
     with client(handle2.port) as warm:  # the first outer step compiles: keep that out of the timing
       warm.join(0, helpers.FP)
