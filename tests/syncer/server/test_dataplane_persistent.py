@@ -2,15 +2,21 @@
 connections (no new one in steady state), idle ones are closed by the syncer and count against the
 per-address limit, a reused connection that broke is replaced at once, and stop closes idle connections."""
 
+import os
 import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 import helpers
+from configs import tiny_cpu
+from diloco_jax import config as config_lib
 from diloco_jax.protocol import convert, wire
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.syncer.server import dataplane
@@ -158,3 +164,36 @@ def test_after_the_first_transfer_a_request_carries_no_token_proof(own_plane):
     assert status == wire.REFUSED and wire.parse_refusal(body)[0] == "protocol"
     assert sock.recv(64) == b""  # the refusal ended the connection
   assert handle.gate.counters()["data_pulls"] == 3 and handle.gate.counters()["data_connections"] == 1
+
+
+# A real syncer process (jax import, model init): ~5 s here.
+def test_a_syncer_process_stops_promptly_on_sigterm_with_idle_connections_open(tmp_path):
+  token_file = tmp_path / "token"
+  token_file.write_text(TOKEN + "\n")
+  token_file.chmod(0o600)
+  workdir = tmp_path / "syncer"
+  cmd = [sys.executable, "-m", "diloco_jax", "syncer", f"--config={helpers.REPO}/configs/tiny_cpu.py",
+         f"--workdir={workdir}", "--bind=127.0.0.1:0", f"--token-file={token_file}", "--run-id=sigterm-idle"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("DILOCO_TOKEN", None)
+  fp = config_lib.fingerprint(tiny_cpu.get_config(), "sigterm-idle")
+  proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  clients = []
+  try:
+    port = int(helpers.wait_for(lambda: proc.poll() is None and (workdir / "syncer.port").exists()
+                                and (workdir / "syncer.port").read_text(), "the syncer's port", timeout=120))
+    for learner in range(2):  # two learners, each with an idle data-plane connection after its pull
+      t = grpc_transport.GrpcTransport(f"127.0.0.1:{port}", TOKEN, learner, unreachable_deadline_s=2.0)
+      clients.append(t)
+      t.join(learner, fp)
+      assert t.pull(0, 0, 1.0).version == 0 and t.data_connections == 1
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and time.monotonic() - start < 10.0, (time.monotonic() - start, out)
+    assert "final checkpoint" in out, out
+  finally:
+    for t in clients:
+      t.close()
+    if proc.poll() is None:
+      proc.kill()
