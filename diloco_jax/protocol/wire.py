@@ -11,9 +11,8 @@ A connection (TLS when the service has TLS) carries transfers one after another;
     REPLY   status (1 byte: 0 ok, 1 refused), body length (u32), body: the protobuf (ok) or UTF-8 JSON
             {"reason", "message"} (refused; the reason a `reasons.Reason`). A refusal ends the connection.
 
-The token never crosses (`mac`), a header or reply body is at most `MAX_HEADER_BYTES`, payloads are read
-against a declared size the receiver bounds first (`recv_payload`), both ends time out every read. Only the
-bytes: the syncer decides (`syncer/server/dataplane.py`). Why not gRPC: docs/benchmarks.md, "Transport".
+The token never crosses (`mac`), bodies are at most `MAX_HEADER_BYTES`, payloads are read against a declared
+size the receiver bounds first (`recv_payload`). The syncer decides (`syncer/server/dataplane.py`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A learner's link to the syncer is two independent directions (up: learner -> syn
 learner), each a token bucket of `bandwidth` bytes/s with a burst of `burst_s` of the rate, and a one-way
 latency L paid once by every message that crosses (a request, a reply, a hello): a message of n bytes costs
 about `L + n / bandwidth`, a call with a reply 2 L plus both messages, and a new connection its set-up
-(`connect`: TCP 1 round trip, TLS `tls_round_trips` more, and the leg before the server speaks). Checked
-against a kernel-shaped link (tests/transports/test_wan_kernel.py); what it does not model (loss,
-reordering, congestion control, TCP slow start, TLS record overhead): docs/benchmarks.md, "WAN emulation".
+(`connect`: TCP 1 round trip, TLS `tls_round_trips` more, the leg before the server speaks). Checked against
+a kernel-shaped link; what it does not model (loss, congestion control...): docs/benchmarks.md.
 
 The arithmetic (`ratelimit.TokenBucket.reserve`, shared with the syncer's rate limits) is a pure function
 of a clock; `WanLink` only adds the sleeps, so tests drive it with a fake clock or measure it with the real
@@ -27,17 +26,33 @@ from collections.abc import Callable
 from diloco_jax.protocol.ratelimit import TokenBucket
 from diloco_jax.transports.errors import LinkDown
 
+# Each TCP segment of 1448 payload bytes (1500-byte MTU, TCP timestamps) carries 66 bytes of Ethernet, IP
+# and TCP headers, which a link's rate pays too.
+TCP_HEADER_OVERHEAD = 66 / 1448
+SPIN_S = 2e-4  # the end of each wait is spun, not slept: a sleep overshoots by about this much
+
+
+def precise_sleep(seconds: float) -> None:
+  """Wait `seconds`: sleep all but the last `SPIN_S`, spin that (sub-millisecond waits stay exact)."""
+  end = time.perf_counter() + seconds
+  if seconds > SPIN_S:
+    time.sleep(seconds - SPIN_S)
+  while time.perf_counter() < end:
+    pass
+
 
 @dataclasses.dataclass(frozen=True)
 class WanSpec:
   """An emulated link. bandwidth in bytes/s (0 = unlimited), latency one-way in seconds, a burst of
-  `burst_s` seconds of the rate (a few ms, as a shaper's bucket), TLS set-up in round trips (1: TLS 1.3)."""
+  `burst_s` seconds of the rate (a few ms, as a shaper's bucket), TLS set-up in round trips (1: TLS 1.3),
+  and the headers each payload byte brings along on the link (`header_overhead`: TCP/IP over Ethernet)."""
 
   up_bytes_per_s: float = 0.0
   down_bytes_per_s: float = 0.0
   latency_s: float = 0.0
   burst_s: float = 0.002
   tls_round_trips: int = 1
+  header_overhead: float = TCP_HEADER_OVERHEAD  # link bytes per payload byte beyond the payload itself
   cutoff_file: str = ""  # the link is down while this file exists ("" = never)
 
   @classmethod
@@ -57,7 +72,7 @@ class WanLink:
   link."""
 
   def __init__(self, spec: WanSpec, clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep):
+               sleep: Callable[[float], None] = precise_sleep):
     self.spec = spec
     self._sleep = sleep
     bucket = lambda rate: TokenBucket(rate, rate * spec.burst_s, clock) if rate > 0 else None
@@ -68,7 +83,7 @@ class WanLink:
   def _apply(self, bucket: TokenBucket | None, nbytes: int, first: bool, extra_s: float = 0.0) -> None:
     wait = extra_s + (self.spec.latency_s if first else 0.0)
     if bucket is not None:
-      wait += bucket.reserve(nbytes)
+      wait += bucket.reserve(nbytes * (1.0 + self.spec.header_overhead))
     if wait > 0:
       with self._lock:
         self.delay_s += wait
