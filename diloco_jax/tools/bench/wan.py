@@ -72,6 +72,8 @@ def _flags(fv):
                     "module docstring); --nosync-steps times the loop as run_learner runs it.", flag_values=fv)
   flags.DEFINE_bool("paper-link", False, "Size the link at 1/236 of bf16 data-parallel's need and run the "
                     "config's schedule and P = H on it at --latencies-ms (see the module docstring).", flag_values=fv)
+  flags.DEFINE_float("link-scale", 1.0, "--paper-link: multiply the link by this (1: the paper's).",
+                     flag_values=fv)
   flags.DEFINE_list("latencies-ms", [f"{x:g}" for x in LATENCIES_MS], "--paper-link: one-way latencies in ms.",
                     flag_values=fv)
   flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
@@ -153,13 +155,15 @@ def bench_wan(argv) -> int:
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   if fv["paper-link"].value:
     latencies = [float(x) for x in fv["latencies-ms"].value]
-    result = run_paper(config, latencies_ms=latencies, steps=fv.steps, sync_steps=fv["sync-steps"].value, log=log)
+    result = run_paper(config, latencies_ms=latencies, steps=fv.steps, sync_steps=fv["sync-steps"].value,
+                       link_scale=fv["link-scale"].value, log=log)
     if fv.json:
       print(json.dumps(result, indent=2))
       return 0
     print(format_table(result["rows"]))
     goal = result["goal"]
-    print(f"goal: on 1/{PAPER_REDUCTION} of bf16 data-parallel's bandwidth at {goal['latency_ms']:g} ms, the "
+    print(f"goal: on {result['link']['scale']:g} x 1/{PAPER_REDUCTION} of bf16 data-parallel's bandwidth at "
+          f"{goal['latency_ms']:g} ms, the "
           f"config's schedule keeps utilization {goal['config_utilization']:.3f} (needs >= {GOAL_UTIL}): "
           f"{'met' if goal['met'] else 'NOT met'}" + (f"; binds: {goal['binds']}" if goal["binds"] else "")
           + ("" if goal["fits"] else f" (H = {result['sync_every']} is below the {result['link']['min_h']} "

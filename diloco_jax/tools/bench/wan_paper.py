@@ -70,12 +70,13 @@ def paper_modes(config, needed: int) -> list[Mode]:
   return out + [paper_mode(config)]
 
 
-def run_paper(config, *, latencies_ms=LATENCIES_MS, steps: int = 0, sync_steps: bool = True,
+def run_paper(config, *, latencies_ms=LATENCIES_MS, steps: int = 0, sync_steps: bool = True, link_scale: float = 1.0,
               log=lambda msg: None) -> dict:
   """Every mode of `paper_modes` at every latency on the paper's link; returns {"link", "rows", "goal"...}.
   The goal: the config's schedule (or, if the config's in-flight limit binds, the same with the limit the
   latency needs) keeps util >= 0.95 at the largest latency; `binds` says what stops it where it does not:
-  the link's bandwidth when H is below the smallest H whose payloads fit it (`min_sync_every`)."""
+  the link's bandwidth when H is below the smallest H whose payloads fit it (`min_sync_every`). `link_scale`
+  multiplies the link (an experiment: is it the bandwidth or the latency that binds?)."""
   config = config.copy_and_resolve_references()
   config.learners.num, workers = 1, config.learners.num
   cli.validated(config, len(jax.devices()), learners=True)
@@ -87,13 +88,14 @@ def run_paper(config, *, latencies_ms=LATENCIES_MS, steps: int = 0, sync_steps: 
   try:
     bare_s = bare.step_time(h)
     params = sum(x.size for x in jax.tree.leaves(model_lib.init_params_host(config)))
-    rate = paper_link(params, workers, bare_s)
+    rate = link_scale * paper_link(params, workers, bare_s)
     up = codec_lib.encoded_size(1 << 20, o.codec, o.codec_block) / (1 << 20)
     down = codec_lib.encoded_size(1 << 20, o.downlink_codec, o.codec_block) / (1 << 20)
     int4 = codec_lib.encoded_size(1 << 20, "int4", o.codec_block) / (1 << 20)
     need_h = min_sync_every(params, max(up, down), rate * bare_s)
     link = {"mb_s": rate / 1e6, "gbps": rate * 8 / 1e9, "dp_workers": max(workers, 2), "min_h": need_h,
-            "chosen": f"1/{PAPER_REDUCTION} of bf16 data-parallel's {PAPER_REDUCTION * rate / 1e6:.3f} MB/s"}
+            "scale": link_scale, "chosen": f"{link_scale:g} x 1/{PAPER_REDUCTION} of bf16 data-parallel's "
+            f"{PAPER_REDUCTION * rate / link_scale / 1e6:.3f} MB/s"}
     log(f"bench wan --paper-link: {params:,} params, bare step {1e3 * bare_s:.1f} ms; the link {rate / 1e6:.4f} MB/s "
         f"each way ({link['chosen']} among {link['dp_workers']}); {o.codec}/{o.downlink_codec} at H = {h} fits "
         f"from H = {need_h}")
@@ -112,16 +114,29 @@ def run_paper(config, *, latencies_ms=LATENCIES_MS, steps: int = 0, sync_steps: 
           "goal": paper_goal(rows, max(latencies_ms), h, need_h)}
 
 
+BUSY_LINK = 0.8  # a direction that carried this share of what the link could in the timed steps binds
+
+
+def link_busy(row) -> dict:
+  """The share of the link's capacity each direction carried during the row's timed steps."""
+  capacity = row["link_mb_s"] * 1e6 * row["wall_s"]
+  return {"up": row["bytes_sent"] / capacity, "down": row["bytes_received"] / capacity}
+
+
 def paper_goal(rows, latency_ms: float, h: int, need_h: int) -> dict:
   """The best overlapping config schedule's utilization at `latency_ms`, whether it meets the goal, and
-  what binds."""
+  what binds: bandwidth when H is below what the link carries at the codecs' sizes, or when a direction
+  of the config's row was busy >= `BUSY_LINK` (the bytes actually sent, e.g. full fp32 answers)."""
   at = {r["mode"]: r["compute_utilization"] for r in rows if r["latency_ms"] == latency_ms}
+  busy = next((link_busy(r) for r in rows if r["latency_ms"] == latency_ms and r["mode"] == "config"), {})
   util = max(at.get("config", float("nan")), at.get("config+flight", float("nan")))
   if h < need_h:
     binds = "bandwidth"
+  elif busy and max(busy.values()) >= BUSY_LINK:
+    binds = f"{max(busy, key=busy.get)}link bandwidth ({100 * max(busy.values()):.0f}% busy)"
   elif at.get("config", 0.0) < GOAL_UTIL <= util:
     binds = "in-flight limit"
   else:
     binds = "" if util >= GOAL_UTIL else "latency"
   return {"latency_ms": latency_ms, "config_utilization": util, "met": util >= GOAL_UTIL, "fits": h >= need_h,
-          "binds": binds}
+          "binds": binds, "link_busy": busy}

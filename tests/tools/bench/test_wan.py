@@ -59,12 +59,16 @@ def test_in_flight_for_covers_a_sync_at_the_latency():
 
 
 def test_paper_goal_names_what_binds():
-  rows = [{"mode": "config", "latency_ms": 80.0, "compute_utilization": 0.6},
-          {"mode": "config+flight", "latency_ms": 80.0, "compute_utilization": 0.97}]
-  assert wan_paper.paper_goal(rows, 80.0, 20, 10) == {"latency_ms": 80.0, "config_utilization": 0.97, "met": True,
-                                                      "fits": True, "binds": "in-flight limit"}
+  link = {"link_mb_s": 1.0, "wall_s": 10.0, "bytes_sent": 2e6, "bytes_received": 3e6}  # 20% and 30% busy
+  rows = [{"mode": "config", "latency_ms": 80.0, "compute_utilization": 0.6, **link},
+          {"mode": "config+flight", "latency_ms": 80.0, "compute_utilization": 0.97, **link}]
+  goal = wan_paper.paper_goal(rows, 80.0, 20, 10)
+  assert goal["link_busy"] == {"up": pytest.approx(0.2), "down": pytest.approx(0.3)}
+  assert (goal["config_utilization"], goal["met"], goal["fits"], goal["binds"]) == (0.97, True, True, "in-flight limit")
   goal = wan_paper.paper_goal(rows, 80.0, 20, 45)
   assert goal["binds"] == "bandwidth" and not goal["fits"]
+  rows[0]["bytes_received"] = 9e6  # the downlink carried 90% of what it could: it binds
+  assert wan_paper.paper_goal(rows, 80.0, 20, 10)["binds"] == "downlink bandwidth (90% busy)"
 
 
 @pytest.mark.slow
