@@ -110,8 +110,10 @@ def run_paper(config, *, latencies_ms=LATENCIES_MS, steps: int = 0, sync_steps: 
         rows.append(run_mode(config, mode, devices, spec, steps, bare, sync_steps, log))
   finally:
     bare.close()
+  # A fragment falls due again H steps after its last sync, which the learner then waits for (learner/loop.py).
+  sync_s = 4 * max(latencies_ms) / 1e3 + 2 * params / o.num_fragments * max(up, down) / rate
   return {"link": link, "bare_step_s": bare_s, "params": params, "sync_every": h, "rows": rows,
-          "goal": paper_goal(rows, max(latencies_ms), h, need_h)}
+          "goal": paper_goal(rows, max(latencies_ms), h, need_h, sync_s=sync_s, period_s=h * bare_s)}
 
 
 BUSY_LINK = 0.8  # a direction that carried this share of what the link could in the timed steps binds
@@ -123,10 +125,12 @@ def link_busy(row) -> dict:
   return {"up": row["bytes_sent"] / capacity, "down": row["bytes_received"] / capacity}
 
 
-def paper_goal(rows, latency_ms: float, h: int, need_h: int) -> dict:
+def paper_goal(rows, latency_ms: float, h: int, need_h: int, sync_s: float = 0.0, period_s: float = 0.0) -> dict:
   """The best overlapping config schedule's utilization at `latency_ms`, whether it meets the goal, and
   what binds: bandwidth when H is below what the link carries at the codecs' sizes, or when a direction
-  of the config's row was busy >= `BUSY_LINK` (the bytes actually sent, e.g. full fp32 answers)."""
+  of the config's row was busy >= `BUSY_LINK` (the bytes actually sent, e.g. full fp32 answers); the
+  fragment's period when one sync (`sync_s`: 4 one-way latencies and its bytes both ways) outlasts the H
+  bare steps after which the fragment is due again (`period_s`), which no in-flight limit helps."""
   at = {r["mode"]: r["compute_utilization"] for r in rows if r["latency_ms"] == latency_ms}
   busy = next((link_busy(r) for r in rows if r["latency_ms"] == latency_ms and r["mode"] == "config"), {})
   util = max(at.get("config", float("nan")), at.get("config+flight", float("nan")))
@@ -134,9 +138,11 @@ def paper_goal(rows, latency_ms: float, h: int, need_h: int) -> dict:
     binds = "bandwidth"
   elif busy and max(busy.values()) >= BUSY_LINK:
     binds = f"{max(busy, key=busy.get)}link bandwidth ({100 * max(busy.values()):.0f}% busy)"
+  elif util < GOAL_UTIL and sync_s > period_s > 0:
+    binds = f"fragment period (a sync takes {sync_s:.2f} s, H steps {period_s:.2f} s)"
   elif at.get("config", 0.0) < GOAL_UTIL <= util:
     binds = "in-flight limit"
   else:
     binds = "" if util >= GOAL_UTIL else "latency"
   return {"latency_ms": latency_ms, "config_utilization": util, "met": util >= GOAL_UTIL, "fits": h >= need_h,
-          "binds": binds, "link_busy": busy}
+          "binds": binds, "link_busy": busy, "sync_s": sync_s, "period_s": period_s}

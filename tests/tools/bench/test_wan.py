@@ -69,6 +69,9 @@ def test_paper_goal_names_what_binds():
   assert goal["binds"] == "bandwidth" and not goal["fits"]
   rows[0]["bytes_received"] = 9e6  # the downlink carried 90% of what it could: it binds
   assert wan_paper.paper_goal(rows, 80.0, 20, 10)["binds"] == "downlink bandwidth (90% busy)"
+  rows[0]["bytes_received"], rows[1]["compute_utilization"] = 3e6, 0.7
+  goal = wan_paper.paper_goal(rows, 80.0, 20, 10, sync_s=0.52, period_s=0.3)  # the fragment is due before it is back
+  assert goal["binds"] == "fragment period (a sync takes 0.52 s, H steps 0.30 s)"
 
 
 @pytest.mark.slow
