@@ -133,10 +133,10 @@ def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: 
   return out
 
 
-def send_payload(sock: socket.socket, payload, before_chunk=lambda n: None) -> None:
-  """`payload` in IO_CHUNK pieces, `before_chunk(n)` ahead of each (WAN pacing, byte counts)."""
+def send_payload(sock: socket.socket, payload, before_chunk=lambda n: None, chunk: int = IO_CHUNK) -> None:
+  """`payload` in pieces of `chunk` bytes, `before_chunk(n)` ahead of each (WAN pacing, byte counts)."""
   view = memoryview(payload).cast("B")
-  for offset in range(0, len(view), IO_CHUNK):
-    piece = view[offset:offset + IO_CHUNK]
+  for offset in range(0, len(view), chunk):
+    piece = view[offset:offset + chunk]
     before_chunk(len(piece))
     sock.sendall(piece)

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 FELL_BACK = object()  # a data-plane transfer that failed: the attempt goes over gRPC
 HANDSHAKE_S = 10.0  # the connection, TLS handshake and hello must come within this (at most the call timeout)
 FALL_BACK_REASONS = (Reason.BUSY, Reason.RATE_LIMIT)  # data-plane refusals that send the attempt over gRPC
-MAX_IDLE = 8  # connections kept open between transfers
+MAX_IDLE = 4  # connections kept open between transfers (4 learners on a host: 16 of its 32 per address)
 BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # after a broken transfer, gRPC carries the payloads this long (doubling)
 
 
@@ -196,7 +196,8 @@ class DataPlaneClient:
     sock.settimeout(self.call_timeout_s)
     self._send(sock, conn.request(self._token, op, header.SerializeToString()))
     if op == wire.OP_PUSH:
-      wire.send_payload(sock, payload, lambda n: self._traffic.sent(n, first=False))
+      wire.send_payload(sock, payload, lambda n: self._traffic.sent(n, first=False),
+                        self._traffic.piece_bytes(wire.IO_CHUNK))
       return convert.parse_receipt(self._reply(sock, name))
     sock.settimeout(self.call_timeout_s + wait_s)  # the reply waits for the long-poll
     h = convert.parse_pull_header(self._reply(sock, name))

@@ -29,6 +29,7 @@ from diloco_jax.transports.errors import LinkDown
 # Each TCP segment of 1448 payload bytes (1500-byte MTU, TCP timestamps) carries 66 bytes of Ethernet, IP
 # and TCP headers, which a link's rate pays too.
 TCP_HEADER_OVERHEAD = 66 / 1448
+PIECE_S = 0.05  # a send is paced in pieces of this much link time at most (`piece_bytes`)
 SPIN_S = 2e-4  # the end of each wait is spun, not slept: a sleep overshoots by about this much
 
 
@@ -108,6 +109,11 @@ class WanLink:
     latency). A data-plane connection costs 4 one-way latencies before its first request, 6 with TLS 1.3."""
     legs = 2 * (1 + (self.spec.tls_round_trips if tls else 0)) + 1
     self._apply(None, 0, False, legs * self.spec.latency_s)
+
+  def piece_bytes(self, default: int) -> int:
+    """At most `PIECE_S` of the uplink's rate (at least 1 KiB), and at most `default`."""
+    rate = self.spec.up_bytes_per_s
+    return default if rate <= 0 else max(1024, min(default, int(rate * PIECE_S)))
 
   def send(self, nbytes: int, first: bool = False) -> None:
     """Call before a chunk of `nbytes` leaves (first=True on a stream's first message: pays the latency)."""

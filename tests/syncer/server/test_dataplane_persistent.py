@@ -23,6 +23,7 @@ from diloco_jax.syncer.server import dataplane
 from diloco_jax.syncer.server import grpc_service as service
 from diloco_jax.transports import dataplane_client
 from diloco_jax.transports import grpc_client as grpc_transport
+from diloco_jax.transports import wan as wan_lib
 
 TOKEN = "persistent-data-plane-token"
 FP = helpers.FP
@@ -44,8 +45,8 @@ def own_plane():
   """A service whose data plane has the given limits: (core, handle, plane)."""
   made = []
 
-  def make(**limits):
-    core = helpers.make_core((3000,), codec="int4")
+  def make(size=3000, **limits):
+    core = helpers.make_core((size,), codec="int4")
     handle = service.serve(core, "127.0.0.1:0", token=TOKEN, data_plane=False)
     plane = dataplane.DataPlaneServer(handle.gate, TOKEN, limits=dataplane.DataPlaneLimits(**limits))
     handle.gate.data_port = plane.port  # what Join tells learners
@@ -113,6 +114,18 @@ def test_a_reused_connection_that_broke_is_replaced_at_once(own_plane, monkeypat
     assert t.data_connections == 2 and t.data_port == plane.port and t.retries == 0
   counters = handle.gate.counters()
   assert counters["data_pushes"] == 2 and counters["pushes"] == 2  # both over the data plane, merged once each
+
+
+def test_a_slow_emulated_link_trickles_a_push_past_the_syncers_read_timeout(own_plane):
+  # 11 KB at 8 KB/s takes 1.4 s, longer than the syncer waits for a byte (0.6 s): sent whole after its
+  # pacing, the push was cut and fell back to gRPC; paced in pieces of 50 ms of the link, it arrives.
+  core, handle, plane = own_plane(size=20_000, io_timeout_s=0.6)
+  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=8000, down_bytes_per_s=8000))
+  with client(handle, wan=link) as t:
+    t.join(0, FP)
+    assert t.push(push_of(core, 0, 0)).version == 1 and t.data_port == plane.port
+  counters = handle.gate.counters()
+  assert counters["data_pushes"] == 1 and counters.get("data_dropped", 0) == 0
 
 
 def test_idle_connections_count_against_the_per_address_limit(own_plane):
