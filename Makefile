@@ -56,8 +56,12 @@ test-cloud: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" tests/process/test_cloud.py tests/launch/test_tpu.py \
 	  tests/process/test_launch_hosts.py
 
+# The headline benchmarks, one after the other, into one JSON file of figures with the commit, date and load
+# (`bench suite`): `make bench REPEATS=3`, `make bench BENCHES=all` (adds hetero and chaos), BENCHES=wan,syncer.
+REPEATS ?= 1
+BENCHES ?=
 bench: $(STAMP)
-	$(PY) -m diloco_jax bench step --config configs/small_cpu.py
+	$(PY) -m diloco_jax bench suite --out runs/bench/figures.json --repeats $(REPEATS) $(if $(BENCHES),--benches $(BENCHES))
 
 clean:
 	rm -rf $(VENV) runs

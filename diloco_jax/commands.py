@@ -61,6 +61,8 @@ BENCH = Group("benchmarks that print figures", "benchmark", {
                      "goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator"),
     "hetero": Command("diloco_jax.tools.bench.hetero:bench_hetero",
                       "mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace"),
+    "suite": Command("diloco_jax.tools.bench.suite:bench_suite",
+                     "the headline benchmarks in a fixed order, repeated, into one JSON file (make bench)"),
 })
 
 SIM = Group("the scale simulator, the bandwidth planner and the sizing of a run's machines", "simulator", {

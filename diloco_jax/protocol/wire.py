@@ -1,18 +1,18 @@
 """The raw-TCP data plane's framing: Push and Pull payloads at socket speed, beside the gRPC control plane.
-One connection per transfer (TLS when the service has TLS); all integers little-endian:
+A connection (TLS when the service has TLS) carries transfers one after another; integers little-endian:
 
-    server -> client   HELLO   magic b"DLCD", version (1 byte), nonce (32 random bytes)
-    client -> server   AUTH    HMAC-SHA256(run token, nonce) (32 bytes), op (b"P" push / b"G" pull),
-                               header length (u32), header: a PushHeader / PullRequest protobuf
+    server -> client   HELLO   magic b"DLCD", version (1 byte), nonce (32 random bytes), once
+    client -> server   AUTH    HMAC-SHA256(run token, nonce) (32 bytes), once, before the first REQUEST
+    client -> server   REQUEST op (b"P" push / b"G" pull), header length (u32), header: a PushHeader /
+                               PullRequest protobuf
     push:  client -> server    the payload: exactly PushHeader.total_size bytes
            server -> client    REPLY (below) with a PushResponse
     pull:  server -> client    REPLY with a PullHeader; if found, PullHeader.total_size payload bytes
     REPLY   status (1 byte: 0 ok, 1 refused), body length (u32), body: the protobuf (ok) or UTF-8 JSON
-            {"reason", "message"} (refused; the reason a `reasons.Reason`)
+            {"reason", "message"} (refused; the reason a `reasons.Reason`). A refusal ends the connection.
 
-The token never crosses (`mac`), a header or reply body is at most `MAX_HEADER_BYTES`, payloads are read
-against a declared size the receiver bounds first (`recv_payload`), both ends time out every read. Only the
-bytes: the syncer decides (`syncer/server/dataplane.py`). Why not gRPC: docs/benchmarks.md, "Transport".
+The token never crosses (`mac`), bodies are at most `MAX_HEADER_BYTES`, payloads are read against a declared
+size the receiver bounds first (`recv_payload`). The syncer decides (`syncer/server/dataplane.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import struct
 from diloco_jax.protocol.chunking import BufferPool, ProtocolError, Reassembler
 
 MAGIC = b"DLCD"
-VERSION = 1
+VERSION = 2  # 2: a connection carries many transfers (1: one transfer per connection)
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
@@ -58,10 +58,15 @@ def mac(token: str, nonce: bytes) -> bytes:
 
 
 def request(token: str, nonce: bytes, op: bytes, header: bytes) -> bytes:
-  """AUTH + op + the header, as one write."""
+  """A connection's first request: AUTH + op + the header, as one write."""
+  return mac(token, nonce) + next_request(op, header)
+
+
+def next_request(op: bytes, header: bytes) -> bytes:
+  """A later request on an authenticated connection: op + the header, as one write."""
   if op not in (OP_PUSH, OP_PULL) or len(header) > MAX_HEADER_BYTES:
     raise ValueError(f"bad data-plane request: op {op!r}, header of {len(header)} bytes")
-  return mac(token, nonce) + op + struct.pack("<I", len(header)) + header
+  return op + struct.pack("<I", len(header)) + header
 
 
 def reply(status: int, body: bytes) -> bytes:
@@ -128,10 +133,10 @@ def recv_payload(sock: socket.socket, total: int, what: str, on_chunk=lambda n: 
   return out
 
 
-def send_payload(sock: socket.socket, payload, before_chunk=lambda n: None) -> None:
-  """`payload` in IO_CHUNK pieces, `before_chunk(n)` ahead of each (WAN pacing, byte counts)."""
+def send_payload(sock: socket.socket, payload, before_chunk=lambda n: None, chunk: int = IO_CHUNK) -> None:
+  """`payload` in pieces of `chunk` bytes, `before_chunk(n)` ahead of each (WAN pacing, byte counts)."""
   view = memoryview(payload).cast("B")
-  for offset in range(0, len(view), IO_CHUNK):
-    piece = view[offset:offset + IO_CHUNK]
+  for offset in range(0, len(view), chunk):
+    piece = view[offset:offset + chunk]
     before_chunk(len(piece))
     sock.sendall(piece)

@@ -170,8 +170,13 @@ class GrpcTransport:
 
   @property
   def data_port(self) -> int:
-    """The syncer's data plane as offered by the last Join (0: none, or it failed since)."""
+    """The syncer's data plane as offered by the last Join (0: none, or it refused as busy since)."""
     return self._data.port
+
+  @property
+  def data_connections(self) -> int:
+    """Data-plane connections this client opened so far (each reused for transfer after transfer)."""
+    return self._data.connections
 
   def _out(self, msg, first: bool):
     self._traffic.sent(_message_bytes(msg), first)
@@ -207,7 +212,7 @@ class GrpcTransport:
       self._out(request, True)
       response = self._in(self._stub.Join(request, timeout=timeout, metadata=self._metadata), True)
       self._arrived()
-      self._data.port = int(response.data_port) if self._use_data_plane else 0
+      self._data.offered(int(response.data_port) if self._use_data_plane else 0)
       return convert.versions_from(response)
 
     return self._call("join", attempt)
@@ -253,7 +258,7 @@ class GrpcTransport:
     header = convert.push_header(push)
 
     def attempt(timeout):
-      if self._data.port:
+      if self._data.usable:
         receipt = self._data.push(header, push.payload)
         if receipt is not FELL_BACK:
           return receipt
@@ -276,7 +281,7 @@ class GrpcTransport:
                                    have_version, have_epoch)
 
     def attempt(timeout):
-      if self._data.port:
+      if self._data.usable:
         pulled = self._data.pull(request, float(timeout_s))
         if pulled is not FELL_BACK:
           return pulled

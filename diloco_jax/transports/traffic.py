@@ -46,6 +46,16 @@ class Traffic:
     if self.wan is not None:
       self.wan.receive(n, first=first)
 
+  def connected(self, tls: bool) -> None:
+    """A new connection is up: its set-up round trips are paid (`wan.WanLink.connect`)."""
+    if self.wan is not None:
+      self.wan.connect(tls)
+
+  def piece_bytes(self, default: int) -> int:
+    """The bytes to send at once: `default`, or on an emulated link what it carries in `wan.PIECE_S`
+    (a slow link trickles, and the receiver's stall timers see bytes move)."""
+    return self.wan.piece_bytes(default) if self.wan is not None else default
+
   def check_link(self) -> None:
     """Raise `errors.LinkDown` while the emulated link is cut off."""
     if self.wan is not None:

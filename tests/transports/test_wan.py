@@ -33,7 +33,7 @@ def test_wan_cap_limits_push_throughput():
   big = helpers.make_core((n,))
   handle2 = service.serve(big, "127.0.0.1:0", token=TOKEN)
   cap = 4e6  # bytes/s
-  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_bytes=16 * 1024))
+  link = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=cap, down_bytes_per_s=cap, burst_s=16 * 1024 / cap))
   try:
     with client(handle2.port) as warm:  # the first outer step compiles: keep that out of the timing
       warm.join(0, helpers.FP)
@@ -77,5 +77,51 @@ def test_cut_off_link_drops_calls_until_the_file_goes(tmp_path):
                        max_backoff_s=0.1) as t:
       with pytest.raises(SyncerUnreachable):
         t.join(0, helpers.FP)
+  finally:
+    handle.stop(grace=0)
+
+
+def test_a_message_pays_its_latency_and_what_exceeds_a_burst_of_a_few_ms():
+  now = [0.0]
+  sleeps = []
+  spec = wan_lib.WanSpec(up_bytes_per_s=1e6, down_bytes_per_s=1e6, latency_s=0.02, burst_s=0.002,
+                         header_overhead=0.0)
+  link = wan_lib.WanLink(spec, clock=lambda: now[0], sleep=sleeps.append)
+  link.send(10_000, first=True)  # 2 KB of burst, then 8 KB at 1 MB/s, behind the one-way latency
+  assert sleeps == [pytest.approx(0.02 + 0.008)]
+  now[0] += 1.0  # the bucket refills to its burst, not beyond
+  link.receive(1_000, first=True)
+  link.send(3_000)
+  assert sleeps[1:] == [pytest.approx(0.02), pytest.approx(0.001)]
+  link.connect(tls=False)
+  link.connect(tls=True)
+  assert sleeps[3:] == [pytest.approx(3 * 0.02), pytest.approx(5 * 0.02)]  # TCP's round trip (+ TLS 1.3's) + a leg
+  heavy = wan_lib.WanLink(wan_lib.WanSpec(up_bytes_per_s=1e6, burst_s=0.0), clock=lambda: now[0], sleep=sleeps.append)
+  heavy.send(1448)  # a segment's payload and its TCP/IP/Ethernet headers
+  assert sleeps[-1] == pytest.approx((1448 + 66) / 1e6)
+
+
+def test_a_data_plane_transfer_pays_its_connection_once_then_two_legs():
+  # What a real link charges in one-way latencies L: a new connection 2 L (TCP) + L (the leg before the
+  # server speaks) + its hello L, then each request L and each reply L; a persistent connection only the
+  # last two. Sleeps recorded, not slept; no bandwidth cap, so only latency is charged.
+  core = helpers.make_core((300,), codec="int4")
+  handle = service.serve(core, "127.0.0.1:0", token=TOKEN)
+  latency = 0.01
+  link = wan_lib.WanLink(wan_lib.WanSpec(latency_s=latency), sleep=lambda s: None)
+  try:
+    with client(handle.port, wan=link) as t:
+      charged = []
+
+      def call(f):
+        before = link.delay_s
+        f()
+        charged.append(round((link.delay_s - before) / latency, 6))
+
+      call(lambda: t.join(0, helpers.FP))  # gRPC: request and reply
+      call(lambda: t.push(helpers.make_push(0, helpers.small_delta(300), core=core)))  # a new connection
+      call(lambda: t.pull(0, 1))  # the connection again
+      call(lambda: t.push(helpers.make_push(0, helpers.small_delta(300, seed=1), core=core, base_version=1)))
+      assert charged == [2, 6, 2, 2] and t.data_connections == 1
   finally:
     handle.stop(grace=0)

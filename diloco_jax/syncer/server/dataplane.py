@@ -6,9 +6,10 @@ check, learner-id bounds and counters; a push's header is the gRPC PushHeader (`
 idempotency key included, so a push retried over gRPC after its data-plane reply was lost is merged once.
 The core's and the gate's refusals travel back with their reason.
 
-What this shell adds is the care a listening socket needs: the run token proven per connection, TLS when
-the service has it, a bounded number of connections (per peer address too, before authentication),
-deadlines from the first byte (the handshake and header, then the transfer) enforced by shutting the
+What this shell adds is the care a listening socket needs: the run token proven once per connection, which
+then carries the learner's transfers one after another; TLS when the service has it, a bounded number of
+connections (per peer address too, idle ones included), deadlines from the first byte (the handshake and
+each request header, then the transfer) and an idle timeout between transfers, enforced by shutting the
 socket whatever the peer trickles, bounded headers and payload memory that grows only with what arrived
 (`DataPlaneServer`).
 """
@@ -42,8 +43,10 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class DataPlaneLimits:
   max_connections: int = 64
-  per_address: int = 32  # connections from one peer address at once, counted before authentication
-  handshake_timeout_s: float = 5.0  # from accept to a read request header: TLS, hello, token proof, header
+  per_address: int = 32  # connections from one peer address at once (idle ones too), counted before auth
+  handshake_timeout_s: float = 5.0  # from accept to a read request header (TLS, hello, token proof, header),
+  # and from a later request's first byte to its whole header
+  idle_timeout_s: float = 120.0  # a connection with no request for this long is closed (the client reconnects)
   pool_bytes: int = 1 << 30  # push payload buffers kept for reuse (`chunking.BufferPool`)
   io_timeout_s: float = 10.0  # one read or write (the service's stream_stall_s)
   transfer_timeout_s: float = 600.0  # one whole transfer, a pull's long-poll not counted (stream_deadline_s)
@@ -59,7 +62,7 @@ class DataPlaneServer:
   """Listens on `host:port` (0: any free port) and serves transfers through `gate`. `push_slots`,
   `pull_slots`: this plane's transfers in flight.
 
-  Callers. Each transfer has a connection of its own, so a caller's source here is (its authenticated
+  Callers. A connection carries one caller's transfers one at a time; a caller's source here is (its authenticated
   identity, `auth.identity_of`: the client certificate under mutual TLS, else the token; the peer's host;
   the learner id its header claims, ids outside the run refused by the gate first): rate limits and slots
   are keyed by it, with slots of this plane's own (`slots.Slots`: at most `Limits.pushes_per_caller` pushes
@@ -69,13 +72,16 @@ class DataPlaneServer:
   connection's. The gate's limits: the largest push, the long-poll cap, the call rate; observers (learner
   id `messages.OBSERVER_ID`) may pull.
 
-  Socket care: the run token proven per connection (HMAC of a fresh nonce, constant-time compare); TLS
-  when the service has it (the same certificate, and client certificates with mutual TLS); at most
-  `max_connections` connections at once and `per_address` from one address (more are closed at once); a
-  timeout on every read (`io_timeout_s`: the service's `stream_stall_s`), a deadline from accept to the
-  request header (`handshake_timeout_s`) and one per transfer (`transfer_timeout_s`: its
-  `stream_deadline_s`, a pull's long-poll not counted), enforced by the accept loop shutting the socket, so
-  a peer trickling a byte at a time cannot hold a thread past them; a pull's
+  Socket care: the run token proven once per connection (HMAC of a fresh nonce, constant-time compare);
+  TLS when the service has it (the same certificate, and client certificates with mutual TLS); at most
+  `max_connections` connections at once and `per_address` from one address, idle ones included (more are
+  closed at once); a timeout on every read (`io_timeout_s`: the service's `stream_stall_s`), a deadline
+  from accept to the first request header and from a later request's first byte to its header
+  (`handshake_timeout_s`), one per transfer (`transfer_timeout_s`: its `stream_deadline_s`, a pull's
+  long-poll not counted) and one between transfers (`idle_timeout_s`), enforced by the accept loop
+  shutting the socket, so a peer trickling a byte at a time or idling cannot hold a thread past them; a
+  refusal ends its connection (what the peer sent after its header is never parsed as a request); `stop`
+  shuts every connection, idle or not; a pull's
   long-poll ends when its client closes the connection; bounded headers, declared sizes checked before a
   byte is read, and payload memory that grows only with what arrived."""
 
@@ -104,7 +110,9 @@ class DataPlaneServer:
     self.push_slots = Slots("data-plane pushes", limits.max_connections, service_limits.pushes_per_caller)
     self.pull_slots = Slots("data-plane pulls", limits.max_connections, service_limits.pulls_per_caller)
     self._pool = BufferPool(limits.pool_bytes)
-    self._deadlines: dict[socket.socket, float] = {}  # connection -> when the accept loop shuts it
+    self._deadlines: dict[socket.socket, tuple[float, str]] = {}  # connection -> when the accept loop shuts
+    # it, and the counter that says why
+    self._open: set[socket.socket] = set()  # every connection being served (`stop` shuts them)
     self._per_address: dict[str, int] = {}
     self._conn_lock = threading.Lock()
     self._stop = threading.Event()
@@ -112,9 +120,20 @@ class DataPlaneServer:
     self._thread.start()
 
   def stop(self) -> None:
+    """Stop listening and shut every connection (idle, mid-transfer or long-polling): their threads end."""
     self._stop.set()
     self._thread.join(5.0)
     self._sock.close()
+    with self._conn_lock:
+      conns = list(self._open)
+    for conn in conns:
+      _shut(conn)
+
+  @property
+  def open_connections(self) -> int:
+    """Connections being served now, idle ones included."""
+    with self._conn_lock:
+      return len(self._open)
 
   def _accept_loop(self) -> None:
     while not self._stop.is_set():
@@ -137,6 +156,9 @@ class DataPlaneServer:
         self.gate.count("data_refused_address")
         conn.close()
         continue
+      self.gate.count("data_connections")
+      with self._conn_lock:
+        self._open.add(conn)
       self._arm(conn, time.monotonic() + self.limits.handshake_timeout_s)
       threading.Thread(target=self._serve, args=(conn, host), daemon=True, name="syncer-data").start()
 
@@ -150,31 +172,29 @@ class DataPlaneServer:
   def _leave(self, conn, host: str) -> None:
     with self._conn_lock:
       self._deadlines.pop(conn, None)
+      self._open.discard(conn)
       left = self._per_address.pop(host, 1) - 1
       if left > 0:
         self._per_address[host] = left
 
-  def _arm(self, conn, deadline: float | None) -> None:
-    """Shut `conn` at `deadline` (monotonic; None: no deadline, while a pull long-polls)."""
+  def _arm(self, conn, deadline: float | None, why: str = "data_deadline_cut") -> None:
+    """Shut `conn` at `deadline` (monotonic; None: no deadline, while a pull long-polls), counting `why`."""
     with self._conn_lock:
       if deadline is None:
         self._deadlines.pop(conn, None)
       else:
-        self._deadlines[conn] = deadline
+        self._deadlines[conn] = (deadline, why)
 
   def _reap(self) -> None:
     """Shut the connections past their deadline: their blocked reads and writes end at once."""
     now = time.monotonic()
     with self._conn_lock:
-      due = [conn for conn, deadline in self._deadlines.items() if now >= deadline]
-      for conn in due:
+      due = [(conn, why) for conn, (deadline, why) in self._deadlines.items() if now >= deadline]
+      for conn, _ in due:
         del self._deadlines[conn]
-    for conn in due:
-      self.gate.count("data_deadline_cut")
-      try:
-        conn.shutdown(socket.SHUT_RDWR)
-      except OSError:  # closed by its thread meanwhile
-        pass
+    for conn, why in due:
+      self.gate.count(why)
+      _shut(conn)
 
   def _serve(self, raw: socket.socket, host: str) -> None:
     conn = raw
@@ -184,7 +204,8 @@ class DataPlaneServer:
       if self._ssl is not None:
         conn = self._ssl.wrap_socket(raw, server_side=True)
       identity = identity_of(conn.getpeercert(binary_form=True) if self._ssl is not None else None)
-      self._transfer(conn, (identity, host), lambda deadline: self._arm(raw, deadline))
+      if self._authenticated(conn):
+        self._transfers(conn, raw, (identity, host))
     except (OSError, wire.WireError, ssl.SSLError) as e:  # a peer that went away or broke the framing
       log.info("data plane: connection dropped: %s", e)
       self.gate.count("data_dropped")
@@ -197,20 +218,44 @@ class DataPlaneServer:
       finally:
         self._slots.release()
 
-  def _transfer(self, conn, peer: tuple[str, str], arm) -> None:
-    """One transfer: hello, token proof and header within the handshake deadline (armed at accept), then
-    the push or pull within `transfer_timeout_s` (`arm(deadline)` moves the shut-down time)."""
+  def _authenticated(self, conn) -> bool:
+    """The hello, then the token's proof within the handshake deadline (armed at accept)."""
     nonce = secrets.token_bytes(wire.NONCE_BYTES)
     conn.sendall(wire.hello(nonce))
-    head = wire.recv_exact(conn, wire.MAC_BYTES + 1 + 4, "request")
-    if not hmac.compare_digest(head[:wire.MAC_BYTES], wire.mac(self._token, nonce)):
-      self.gate.count("refused_unauthenticated")
-      conn.sendall(wire.refusal(Reason.UNAUTHENTICATED, "invalid run token"))
-      return
-    op, length = head[wire.MAC_BYTES:wire.MAC_BYTES + 1], struct.unpack("<I", head[-4:])[0]
+    if hmac.compare_digest(wire.recv_exact(conn, wire.MAC_BYTES, "request"), wire.mac(self._token, nonce)):
+      return True
+    self.gate.count("refused_unauthenticated")
+    conn.sendall(wire.refusal(Reason.UNAUTHENTICATED, "invalid run token"))
+    return False
+
+  def _transfers(self, conn, raw, peer: tuple[str, str]) -> None:
+    """The connection's transfers, one after another, until the peer closes it, idles past
+    `idle_timeout_s`, or is refused; the first request's header is due by the handshake deadline, a
+    later one's within `handshake_timeout_s` of its first byte."""
+    first = True
+    while not self._stop.is_set():
+      if not first:
+        self._arm(raw, time.monotonic() + self.limits.idle_timeout_s, "data_idle_closed")
+        conn.settimeout(self.limits.idle_timeout_s + self.limits.io_timeout_s)  # the idle deadline comes first
+        op = conn.recv(1)
+        if not op:  # the client closed it, or the idle deadline did
+          return
+        self._arm(raw, time.monotonic() + self.limits.handshake_timeout_s)
+        conn.settimeout(self.limits.io_timeout_s)
+        head = op + wire.recv_exact(conn, 4, "request")
+      else:
+        head = wire.recv_exact(conn, 5, "request")
+      first = False
+      if not self._transfer(conn, peer, head[:1], struct.unpack("<I", head[1:])[0],
+                            lambda deadline: self._arm(raw, deadline)):
+        return
+
+  def _transfer(self, conn, peer: tuple[str, str], op: bytes, length: int, arm) -> bool:
+    """One transfer: its header, then the push or pull within `transfer_timeout_s` (`arm(deadline)` moves
+    the shut-down time). Whether the connection may carry another (False after a refusal)."""
     if op not in (wire.OP_PUSH, wire.OP_PULL) or length > wire.MAX_HEADER_BYTES:
       conn.sendall(wire.refusal(Reason.PROTOCOL, f"bad request: op {op!r}, header of {length} bytes"))
-      return
+      return False
     header = wire.recv_exact(conn, length, "request header")
     deadline = time.monotonic() + self.limits.transfer_timeout_s
     arm(deadline)
@@ -218,7 +263,8 @@ class DataPlaneServer:
       if op == wire.OP_PUSH:
         self._push(conn, peer, header, deadline)
       else:
-        self._pull(conn, peer, header, deadline, arm)
+        return self._pull(conn, peer, header, deadline, arm)
+      return True
     except Rejected as e:
       conn.sendall(wire.refusal(e.reason, e.message))
     except Busy as e:
@@ -230,6 +276,7 @@ class DataPlaneServer:
     except GateRefusal as e:
       self.gate.count(f"data_refused_{e.reason}")
       conn.sendall(wire.refusal(e.reason, e.message))
+    return False
 
   def _caller(self, peer: tuple[str, str], learner_id) -> tuple[tuple, object]:
     """(source, claimed id): the identity, the peer host and the id if the run may have it or it is the
@@ -253,7 +300,8 @@ class DataPlaneServer:
     self.gate.count("data_pushes")
     conn.sendall(wire.reply(wire.OK, convert.receipt_response(receipt).SerializeToString()))
 
-  def _pull(self, conn, peer: tuple[str, str], header: bytes, deadline: float, arm) -> None:
+  def _pull(self, conn, peer: tuple[str, str], header: bytes, deadline: float, arm) -> bool:
+    """Serve a pull; whether it was answered (False: its client went away during the long-poll)."""
     call = convert.parse_pull_call(header)
     caller = self._caller(peer, call.learner_id)
     timeout = self.gate.open_pull(caller, call, where=f"from {caller[0][1]}")
@@ -268,8 +316,10 @@ class DataPlaneServer:
         published = self.gate.long_poll(call, give_up, self.limits.pull_poll_s, lambda: _gone(conn))
         deadline = time.monotonic() + self.limits.transfer_timeout_s
         arm(deadline)
-      if published is not None or not _gone(conn):
-        self._answer(conn, call, published, deadline)
+      if published is None and _gone(conn):
+        return False
+      self._answer(conn, call, published, deadline)
+      return True
     finally:
       self.pull_slots.release(caller[0])
 
@@ -287,6 +337,14 @@ class DataPlaneServer:
 def _check_deadline(deadline: float) -> None:
   if time.monotonic() > deadline:
     raise wire.WireError("transfer deadline passed")
+
+
+def _shut(conn) -> None:
+  """Shut `conn` down both ways: its thread's blocked read or write ends at once."""
+  try:
+    conn.shutdown(socket.SHUT_RDWR)
+  except OSError:  # closed by its thread meanwhile
+    pass
 
 
 def _gone(conn) -> bool:

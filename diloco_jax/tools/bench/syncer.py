@@ -158,10 +158,11 @@ def _time_rounds(path, payloads, tokens, rounds: int) -> dict:
 
 
 def run(size: int = 1 << 24, pushes: int = 4, up: str = "int4", down: str = "fp32", block: int = 64,
-        rounds: int = 5, threads: tuple[int, ...] = (1,), log=lambda msg: None) -> dict:
+        rounds: int = 5, threads: tuple[int, ...] = (1,), log=lambda msg: None, unfused: bool = True) -> dict:
   """The benchmark; returns {"rows": [...], "copy_gb_s", "bound_params_per_s", ...}. Each row's parameters
   absorbed per second are M x N per round over the median round, by the wall clock and per core (over CPU
-  seconds: a host with more cores runs that many rounds' worth of work in parallel)."""
+  seconds: a host with more cores runs that many rounds' worth of work in parallel). `unfused`: also the
+  unfused path (the first row; the fused rows then carry their speed-up over it)."""
   initial = np.random.default_rng(0).standard_normal(size).astype(np.float32)
   payloads = _payloads(size, pushes, up, block)
   tokens = [1000 + 10 * i for i in range(pushes)]
@@ -170,7 +171,7 @@ def run(size: int = 1 << 24, pushes: int = 4, up: str = "int4", down: str = "fp3
   touched = bytes_touched(size, pushes, up, down, block)
   bound = absorbed / (touched / (2 * rate))
   log(f"copy {rate / 1e9:.1f} GB/s; a round touches {touched / 1e6:.0f} MB: bound {bound / 1e6:,.0f}M params/s")
-  paths = [("unfused", 1, lambda: Unfused(initial, up, down, block))]
+  paths = [("unfused", 1, lambda: Unfused(initial, up, down, block))] if unfused else []
   paths += [("fused", t, lambda t=t: Fused(initial, up, down, block, pushes, t)) for t in threads]
   rows = []
   for name, t, make in paths:
@@ -183,7 +184,7 @@ def run(size: int = 1 << 24, pushes: int = 4, up: str = "int4", down: str = "fp3
     del path
   # Both paths compute the same global: check it (float32 rounding apart) so the speed is not bought wrong.
   base = rows[0]
-  for r in rows[1:]:
+  for r in rows[1:] if unfused else []:
     r["speedup_per_core"] = r["params_per_cpu_s"] / base["params_per_cpu_s"]
     r["speedup_wall"] = r["params_per_s"] / base["params_per_s"]
   return {"params": size, "pushes": pushes, "codec": up, "downlink_codec": down, "block": block, "rounds": rounds,

@@ -9,9 +9,10 @@ latency applied in the client (`GrpcTransport(wan=WanLink(...))`). Modes (`modes
 device catching up; `wan_mode.run_mode` says how a mode is timed and what each column means). The goal:
 with overlap, util >= 0.95 on a link where all-at-once stalls the learner >= 30% of its time.
 
-`--paper-link`: the paper's setting instead, a link of 1/236 of what data-parallel training of the same
-model needs and the paper's schedule on it (P = H, int4 both ways; `run_paper`). The goal there: util >=
-0.95. It prints the smallest H whose int4 traffic fits the link. docs/benchmarks.md, "WAN emulation".
+`--paper-link`: the paper's link instead, 1/236 of what bf16 data-parallel training of the same model
+needs, at one-way latencies of 1, 20 and 80 ms (`--latencies-ms`), under the config's own schedule with and
+without overlap, and P = H (`wan_paper.run_paper`). The goal there: util >= 0.95 at 80 ms. It prints the
+smallest H whose traffic fits the link and what binds. docs/benchmarks.md, "WAN emulation".
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
 from diloco_jax.compute import model as model_lib  # noqa: E402
-from diloco_jax.outer import codec as codec_lib  # noqa: E402
 from diloco_jax.outer import schedule  # noqa: E402
 from diloco_jax.tools.bench.wan_mode import BareSteps, Mode, run_mode  # noqa: E402
+from diloco_jax.tools.bench.wan_paper import LATENCIES_MS, PAPER_REDUCTION, run_paper  # noqa: E402
 from diloco_jax.transports import wan as wan_lib  # noqa: E402
 
 GOAL_UTIL = 0.95
@@ -69,8 +70,12 @@ def _flags(fv):
   flags.DEFINE_bool("int4", True, "Also run streaming + overlap with int4 both ways.", flag_values=fv)
   flags.DEFINE_bool("sync-steps", True, "Wait for each timed inner step to finish on the device (see the "
                     "module docstring); --nosync-steps times the loop as run_learner runs it.", flag_values=fv)
-  flags.DEFINE_bool("paper-link", False, "Size the link at 1/236 of data-parallel's need and run the paper's "
-                    "schedule on it (P = H, int4; see the module docstring).", flag_values=fv)
+  flags.DEFINE_bool("paper-link", False, "Size the link at 1/236 of bf16 data-parallel's need and run the "
+                    "config's schedule and P = H on it at --latencies-ms (see the module docstring).", flag_values=fv)
+  flags.DEFINE_float("link-scale", 1.0, "--paper-link: multiply the link by this (1: the paper's).",
+                     flag_values=fv)
+  flags.DEFINE_list("latencies-ms", [f"{x:g}" for x in LATENCIES_MS], "--paper-link: one-way latencies in ms.",
+                    flag_values=fv)
   flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
 
 
@@ -96,70 +101,6 @@ def verdict(rows) -> dict:
   return {"all_at_once_stall": stall, "streaming_utilization": util,
           "link_slow_enough": stall >= GOAL_STALL, "overlap_met": util >= GOAL_UTIL,
           "met": stall >= GOAL_STALL and util >= GOAL_UTIL}
-
-
-PAPER_REDUCTION = 236  # Decoupled DiLoCo: 198 Gbps for data-parallel, 0.84 Gbps with 8 learners
-
-
-def paper_mode(config) -> Mode:
-  """`paper`: P = H (one fragment due every step), int4 both ways, tau >= 1, the in-flight limit of the
-  schedule (or the config's, if set)."""
-  o = config.outer
-  tau = max(int(o.tau), 1)
-  h = int(o.sync_every)
-  return Mode("paper", h, tau, schedule.in_flight_limit(int(o.max_in_flight), h, h, tau), "int4", "int4")
-
-
-def paper_link(params: int, workers: int, bare_step_s: float) -> float:
-  """Bytes per second each way: data-parallel's ring all-reduce of the fp32 gradient among `workers`,
-  every bare step, divided by the paper's reduction."""
-  n = max(int(workers), 2)
-  return 2 * (n - 1) / n * 4 * params / bare_step_s / PAPER_REDUCTION
-
-
-def min_sync_every(params: int, sizes_bytes_per_param: float, link_bytes_per_step: float) -> int:
-  """The smallest H for which a fragment's payload per step (params / H x bytes per param) fits the
-  link's bytes per step."""
-  return max(1, int(-(-params * sizes_bytes_per_param // link_bytes_per_step)))
-
-
-def run_paper(config, *, latency_ms: float = 10.0, steps: int = 0, sync_steps: bool = True,
-              log=lambda msg: None) -> dict:
-  """`--paper-link`: the paper's schedule on 1/236 of data-parallel's bandwidth need.
-
-  The link carries 1/236 of what data-parallel training of the same model needs (Decoupled DiLoCo: 198
-  Gbps for data-parallel against 0.84 Gbps), where data-parallel's need is a ring all-reduce of the fp32
-  gradient every bare step among `learners.num` workers, 2 (n - 1) / n x 4 bytes per parameter per step,
-  each way (`paper_link`). One mode runs on it, `paper_mode`. The goal there: util >= 0.95. It reports the
-  smallest H whose int4 traffic fits the link (its payload bytes per step at most the link's bytes per
-  step, `min_sync_every`); below that no overlap can keep the learner busy.
-  """
-  config = config.copy_and_resolve_references()
-  config.learners.num, workers = 1, config.learners.num
-  cli.validated(config, len(jax.devices()), learners=True)
-  h = config.outer.sync_every
-  steps = h * max(1, -(-(steps or 8 * h) // h))
-  devices = jax.devices()[:config.learners.devices]
-  bare = BareSteps(config, devices)
-  try:
-    bare_s = bare.step_time(h)
-    params = sum(x.size for x in jax.tree.leaves(model_lib.init_params_host(config)))
-    rate = paper_link(params, workers, bare_s)
-    spec = wan_lib.WanSpec(up_bytes_per_s=rate, down_bytes_per_s=rate, latency_s=latency_ms / 1e3)
-    int4_per_param = codec_lib.encoded_size(1 << 20, "int4", config.outer.codec_block) / (1 << 20)
-    need_h = min_sync_every(params, int4_per_param, rate * bare_s)
-    link = {"mb_s": rate / 1e6, "gbps": rate * 8 / 1e9, "latency_ms": latency_ms, "dp_workers": max(workers, 2),
-            "chosen": f"1/{PAPER_REDUCTION} of data-parallel's {PAPER_REDUCTION * rate / 1e6:.2f} MB/s",
-            "min_h": need_h}
-    log(f"bench wan --paper-link: {params:,} params, bare step {1e3 * bare_s:.1f} ms; data-parallel among "
-        f"{link['dp_workers']} needs {PAPER_REDUCTION * rate / 1e6:.2f} MB/s each way; the link: {rate / 1e6:.4f} MB/s "
-        f"({rate * 8 / 1e6:.3f} Mbit/s), {latency_ms:g} ms one-way; int4 at P = H fits from H = {need_h} (H = {h})")
-    rows = [run_mode(config, paper_mode(config), devices, spec, steps, bare, sync_steps, log)]
-  finally:
-    bare.close()
-  util = rows[0]["compute_utilization"]
-  return {"link": link, "bare_step_s": bare_s, "params": params, "sync_every": h, "rows": rows,
-          "goal": {"paper_utilization": util, "met": util >= GOAL_UTIL, "fits": h >= need_h}}
 
 
 def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: float = 0.5, steps: int = 0,
@@ -213,17 +154,20 @@ def bench_wan(argv) -> int:
                          f"{len(jax.devices())}; run with XLA_FLAGS=--xla_force_host_platform_device_count={need}")
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   if fv["paper-link"].value:
-    result = run_paper(config, latency_ms=fv["latency-ms"].value, steps=fv.steps, sync_steps=fv["sync-steps"].value,
-                       log=log)
+    latencies = [float(x) for x in fv["latencies-ms"].value]
+    result = run_paper(config, latencies_ms=latencies, steps=fv.steps, sync_steps=fv["sync-steps"].value,
+                       link_scale=fv["link-scale"].value, log=log)
     if fv.json:
       print(json.dumps(result, indent=2))
       return 0
     print(format_table(result["rows"]))
     goal = result["goal"]
-    print(f"goal: on 1/{PAPER_REDUCTION} of data-parallel's bandwidth, the paper's schedule keeps utilization "
-          f"{goal['paper_utilization']:.3f} (needs >= {GOAL_UTIL}): {'met' if goal['met'] else 'NOT met'}"
-          + ("" if goal["fits"] else f"; H = {result['sync_every']} is below the {result['link']['min_h']} "
-             "the link can carry"))
+    print(f"goal: on {result['link']['scale']:g} x 1/{PAPER_REDUCTION} of bf16 data-parallel's bandwidth at "
+          f"{goal['latency_ms']:g} ms, the "
+          f"config's schedule keeps utilization {goal['config_utilization']:.3f} (needs >= {GOAL_UTIL}): "
+          f"{'met' if goal['met'] else 'NOT met'}" + (f"; binds: {goal['binds']}" if goal["binds"] else "")
+          + ("" if goal["fits"] else f" (H = {result['sync_every']} is below the {result['link']['min_h']} "
+             "whose payloads the link can carry)"))
     return 0
   result = run(config, gbps=fv.gbps, latency_ms=fv["latency-ms"].value, link_periods=fv["link-periods"].value,
                steps=fv.steps, int4=fv.int4, sync_steps=fv["sync-steps"].value, log=log)

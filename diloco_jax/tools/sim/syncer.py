@@ -5,7 +5,7 @@ figures; `python -m diloco_jax sim syncer` (`tools/sim/syncer_cli.py`) prints th
 Memory is `sizing.fragment_memory` per fragment and `sizing.syncer_memory` per process; shards get whole
 fragments balanced by size, as the sharded syncer places them (`placement.assign_shards`, `shard_layout`).
 Ingest: each of M learners pushes every fragment once per H inner steps (`ingest_rate`). A shard keeps up
-when its ingest is at most its merge threads x the merge rate per core `bench syncer` measures, and fits
+when its ingest is at most its merge threads x the merge rate per core (`merge_rates`), and fits
 its host when its peak estimate x `HEADROOM` + `OS_BYTES` does, the rule `launch/tpu/create.sh` sizes the
 syncer VM with; `shards_needed` is the smallest S <= P for which every shard does both. docs/simulator.md,
 "6. The syncer at scale".
@@ -19,17 +19,25 @@ from diloco_jax.outer import chunked
 from diloco_jax.outer.placement import assign_shards
 from diloco_jax.tools.sim import sizing
 
-# `bench syncer`, fused path, 1 thread, parameters absorbed per second per core for M = 4 int4 pushes of a
-# 16,777,216-parameter fragment; the lower of two runs per downlink (docs/benchmarks.md). The quantized
-# figure was measured with an int4 downlink; int8 and bf16 downlinks take it too (not measured).
-MEASURED_MERGE_RATE = {"fp32": 969e6, "quantized": 749e6}
 HEADROOM = 1.25  # launch/tpu/create.sh: a syncer host holds its estimate with 25% headroom ...
 OS_BYTES = 4 * 10**9  # ... plus 4 GB for the operating system
 
 
-def measured_merge_rate(downlink_codec: str) -> float:
-  """The per-core merge rate `bench syncer` measured for `downlink_codec` (fp32, or a quantized one)."""
-  return MEASURED_MERGE_RATE["fp32" if downlink_codec == "fp32" else "quantized"]
+def downlink_class(downlink_codec: str) -> str:
+  """fp32, or quantized (int8, int4, bf16: `bench syncer` measures one quantized downlink for all)."""
+  return "fp32" if downlink_codec == "fp32" else "quantized"
+
+
+def merge_rates(results) -> dict[str, float]:
+  """{downlink class: parameters absorbed per second per core} from `bench syncer --json` results: the
+  fused path on 1 thread, the lowest over the results of one class."""
+  rates: dict[str, float] = {}
+  for result in results:
+    fused = [r["params_per_cpu_s"] for r in result["rows"] if r["path"] == "fused" and r["threads"] == 1]
+    if fused:
+      cls = downlink_class(result["downlink_codec"])
+      rates[cls] = min([rates.get(cls, float("inf")), *fused])
+  return rates
 
 
 def merge_threads(config_threads: int, cores: int) -> int:

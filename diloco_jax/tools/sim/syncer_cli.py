@@ -5,11 +5,12 @@ Examples:
   python -m diloco_jax sim syncer                                  # configs/*.py, M = 2,4,8, 1 s/step
   python -m diloco_jax sim syncer --configs configs/b12.py --learners 8,16 --step-s 0.5 --shards 4
   python -m diloco_jax sim syncer --merge-rate 150e6 --json        # the merge rate before the fused path
+  python -m diloco_jax sim syncer --bench-syncer runs/bench/figures.json   # merge rates of `make bench`
 
 For each config and M: the parameters the syncer must absorb per second and the merge cores that takes at
---merge-rate; the syncer's peak memory estimate as one process, per shard and in total with --shards
-shards; and the smallest shard count that keeps up and fits (every shard's estimate x 1.25 + 4 GB within
---host-memory-gb, create.sh's rule). Below the table, what one fragment holds. The columns in full:
+the merge rate per core (`--merge-rate`; else `--bench-syncer`'s; else measured here by `bench syncer`);
+its peak memory as one process, per shard and in total with --shards shards; and the fewest shards that
+keep up and fit (each shard's estimate x 1.25 + 4 GB within --host-memory-gb). The columns in full:
 docs/simulator.md, "6. The syncer at scale"; formulas: `diloco_jax/tools/sim/syncer.py`.
 """
 
@@ -22,10 +23,12 @@ import pathlib
 
 from diloco_jax import cli
 from diloco_jax.outer import chunked
+from diloco_jax.tools.bench import syncer as bench_syncer
 from diloco_jax.tools.sim import sizing, syncer
 from diloco_jax.tools.sim.args import definer, numbers
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs"
+MEASURE_PARAMS = 1 << 22  # the fragment `bench syncer` merges when no rate is given (a few seconds)
 
 
 def shipped_configs() -> list[str]:
@@ -39,9 +42,10 @@ def _flags(fv):
   define("list", "learners", ["2", "4", "8"], "M values (comma list of integers >= 1).")
   define("float", "step-s", 1.0, "Inner step time in seconds (every config, every M).")
   define("integer", "shards", 2, "Shard count for the per-shard and total memory columns.")
-  define("float", "merge-rate", 0.0, "Parameters absorbed per second per core; 0: what `bench syncer` measured "
-         f"for the config's downlink ({syncer.MEASURED_MERGE_RATE['fp32'] / 1e6:g}M fp32, "
-         f"{syncer.MEASURED_MERGE_RATE['quantized'] / 1e6:g}M quantized).")
+  define("float", "merge-rate", 0.0, "Parameters absorbed per second per core; 0: from --bench-syncer, else "
+         "measured here (`bench syncer`, fused, 1 thread, for the config's downlink: fp32 or quantized).")
+  define("string", "bench-syncer", "", "A `bench syncer --json` result, or `make bench`'s figures file "
+         "(runs/bench/figures.json): the merge rates per core it measured.")
   define("integer", "cores-per-shard", 32, "Cores of a shard's host (merge threads: syncer.merge_threads, or "
          f"with 0 these cores up to {chunked.DEFAULT_THREAD_LIMIT}).")
   define("float", "host-memory-gb", 256.0, "Memory of a shard's host, GB (default: an n2-highmem-32, 32 vCPUs "
@@ -74,8 +78,9 @@ def setup_of(config) -> syncer.Setup:
 
 def rows_for(name: str, config, setup: syncer.Setup, learners: list[int], step_s: float, shards: int,
              merge_rate: float, cores: int, host_bytes: int) -> list[dict]:
-  """One row per M for `config` (whose `setup_of` is `setup`): everything the table prints, as plain values."""
-  rate = merge_rate or syncer.measured_merge_rate(setup.downlink_codec)
+  """One row per M for `config` (whose `setup_of` is `setup`): everything the table prints, as plain values.
+  `merge_rate`: parameters per second per core."""
+  rate = merge_rate
   threads = syncer.merge_threads(config.syncer.merge_threads, cores)
   params = sum(setup.sizes)
   rows = []
@@ -163,6 +168,31 @@ def format_table(rows: list[dict], shards: int, step_s: float, cores: int, host_
   return "\n".join(lines)
 
 
+def read_merge_rates(path: str) -> dict[str, float]:
+  """`syncer.merge_rates` of a `bench syncer --json` file or of `make bench`'s figures (its syncer runs)."""
+  try:
+    doc = json.loads(pathlib.Path(path).read_text())
+    if "benches" in doc:  # `bench suite`'s figures: every syncer run's raw result
+      results = [r["raw"] for name, b in doc["benches"].items() if name.startswith("syncer")
+                 for r in b["runs"] if "raw" in r]
+    else:
+      results = [doc]
+    return syncer.merge_rates(results)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise cli.UsageError(f"--bench-syncer: {path} holds no `bench syncer` result ({type(e).__name__}: {e})") from None
+
+
+def measured_merge_rate(downlink_codec: str, known: dict[str, float]) -> float:
+  """The merge rate per core for `downlink_codec`: from `known` (filled as measured), else `bench syncer`
+  now, on a `MEASURE_PARAMS` fragment, fused, 1 thread (int4 pushes; int4 for a quantized downlink)."""
+  cls = syncer.downlink_class(downlink_codec)
+  if cls not in known:
+    down = "fp32" if cls == "fp32" else "int4"
+    result = bench_syncer.run(MEASURE_PARAMS, 4, "int4", down, rounds=3, threads=(1,), unfused=False)
+    known.update({cls: syncer.merge_rates([result])[cls]})
+  return known[cls]
+
+
 def sim_syncer(argv) -> int:
   fv = cli.parse(argv, _flags, doc=__doc__, config=False)
   learners = numbers(fv, "learners", int)
@@ -180,9 +210,11 @@ def sim_syncer(argv) -> int:
   for path in fv.configs or shipped_configs():
     config = load_config(path)
     configs.append((pathlib.Path(path).stem, config, setup_of(config)))
+  rates = read_merge_rates(fv["bench-syncer"].value) if fv["bench-syncer"].value else {}
   rows = []
   for name, config, setup in sorted(configs, key=lambda c: sum(c[2].sizes)):  # the smallest model first
-    rows += rows_for(name, config, setup, learners, step_s, fv.shards, rate, cores, host_bytes)
+    rate_here = rate or measured_merge_rate(setup.downlink_codec, rates)
+    rows += rows_for(name, config, setup, learners, step_s, fv.shards, rate_here, cores, host_bytes)
   if fv.json:
     print(json.dumps({"rows": rows, "cores_per_shard": cores, "host_bytes": host_bytes}, indent=2))
   else:

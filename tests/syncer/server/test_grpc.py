@@ -13,7 +13,6 @@ import pytest
 
 import helpers
 from diloco_jax.outer import codec as codec_lib
-from diloco_jax.protocol import wire
 from diloco_jax.protocol.messages import PushReceipt
 from diloco_jax.protocol.proto import diloco_pb2 as pb
 from diloco_jax.protocol.proto import diloco_pb2_grpc as pb_grpc
@@ -136,8 +135,9 @@ def test_delta_downlink_over_the_wire(monkeypatch, data_plane):
       delta = t.pull(0, 1, timeout_s=5.0, have_version=0)
       request = pb.PullRequest(learner_id=0, fingerprint=FP, fragment=0, min_version=1, timeout_s=5.0,
                                have_version=0, have_epoch=0).ByteSize()
-      # gRPC: the message and its 5-byte frame; the data plane: HMAC, op and length, then the message.
-      framing = wire.MAC_BYTES + 1 + 4 if data_plane else 5
+      # gRPC: the message and its 5-byte frame; the data plane: op and length, then the message (on the
+      # push's connection, which proved the token with its first request).
+      framing = 1 + 4 if data_plane else 5
       assert t.bytes_sent - sent0 == request + framing
       assert (delta.kind, delta.base_version, delta.version, delta.codec) == ("delta", 0, 1, "int4")
       assert delta.epoch == core.epoch

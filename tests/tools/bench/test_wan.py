@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_jax.tools.bench import wan, wan_mode
+from diloco_jax.tools.bench import wan, wan_mode, wan_paper
 
 
 def test_modes_differ_only_in_schedule(tiny_config):
@@ -33,19 +33,45 @@ def test_verdict():
   assert not wan.verdict(rows)["met"]
 
 
-def test_paper_link_is_the_published_reduction_of_data_parallel(tiny_config):
-  """1/236 of a ring all-reduce of the fp32 gradient every bare step; the paper's mode is P = H, int4."""
-  rate = wan.paper_link(params=1_000_000, workers=8, bare_step_s=0.5)
-  assert rate == pytest.approx(2 * 7 / 8 * 4e6 / 0.5 / 236)
-  assert wan.paper_link(1_000_000, 1, 0.5) == wan.paper_link(1_000_000, 2, 0.5)  # at least two workers
+def test_paper_link_is_the_published_reduction_of_bf16_data_parallel(tiny_config):
+  """1/236 of a ring all-reduce of the bf16 gradient every bare step; the modes: no overlap, the config's
+  schedule (and with more in flight when the latency needs it), P = H with int4."""
+  rate = wan_paper.paper_link(params=1_000_000, workers=8, bare_step_s=0.5)
+  assert rate == pytest.approx(2 * 7 / 8 * 2e6 / 0.5 / 236)
+  assert wan_paper.paper_link(1_000_000, 1, 0.5) == wan_paper.paper_link(1_000_000, 2, 0.5)  # at least two workers
   # int4 at 0.5625 bytes per parameter: one fragment per step fits from H = ceil(0.5625 N / link per step).
   per_step = rate * 0.5
-  h = wan.min_sync_every(1_000_000, 0.5625, per_step)
+  h = wan_paper.min_sync_every(1_000_000, 0.5625, per_step)
   assert 1_000_000 * 0.5625 / h <= per_step < 1_000_000 * 0.5625 / (h - 1)
   tiny_config.outer.sync_every = 30
-  mode = wan.paper_mode(tiny_config)
+  mode = wan_paper.paper_mode(tiny_config)
   assert (mode.num_fragments, mode.codec, mode.downlink_codec) == (30, "int4", "int4")
   assert mode.tau >= 1 and mode.max_in_flight == mode.tau + 1  # the schedule's own in-flight need
+  names = [m.name for m in wan_paper.paper_modes(tiny_config, needed=9)]
+  assert names == ["no overlap", "config", "config+flight", "P = H"]
+  assert [m.name for m in wan_paper.paper_modes(tiny_config, needed=1)] == ["no overlap", "config", "P = H"]
+
+
+def test_in_flight_for_covers_a_sync_at_the_latency():
+  # 80 ms one-way: a sync of a 1 KB fragment at 1 MB/s holds it 4 x 80 ms + 2 ms; one falls due every 100 ms.
+  assert wan_paper.in_flight_for(0.08, 1000, 1e6, 0.1, 0.04) == 5
+  assert wan_paper.in_flight_for(0.0, 1000, 1e6, 0.1, 0.2) == 3  # tau's wait, when longer
+
+
+def test_paper_goal_names_what_binds():
+  link = {"link_mb_s": 1.0, "wall_s": 10.0, "bytes_sent": 2e6, "bytes_received": 3e6}  # 20% and 30% busy
+  rows = [{"mode": "config", "latency_ms": 80.0, "compute_utilization": 0.6, **link},
+          {"mode": "config+flight", "latency_ms": 80.0, "compute_utilization": 0.97, **link}]
+  goal = wan_paper.paper_goal(rows, 80.0, 20, 10)
+  assert goal["link_busy"] == {"up": pytest.approx(0.2), "down": pytest.approx(0.3)}
+  assert (goal["config_utilization"], goal["met"], goal["fits"], goal["binds"]) == (0.97, True, True, "in-flight limit")
+  goal = wan_paper.paper_goal(rows, 80.0, 20, 45)
+  assert goal["binds"] == "bandwidth" and not goal["fits"]
+  rows[0]["bytes_received"] = 9e6  # the downlink carried 90% of what it could: it binds
+  assert wan_paper.paper_goal(rows, 80.0, 20, 10)["binds"] == "downlink bandwidth (90% busy)"
+  rows[0]["bytes_received"], rows[1]["compute_utilization"] = 3e6, 0.7
+  goal = wan_paper.paper_goal(rows, 80.0, 20, 10, sync_s=0.52, period_s=0.3)  # the fragment is due before it is back
+  assert goal["binds"] == "fragment period (a sync takes 0.52 s, H steps 0.30 s)"
 
 
 @pytest.mark.slow

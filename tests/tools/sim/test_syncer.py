@@ -97,7 +97,19 @@ def test_merge_threads_follow_the_runtime_default():
   assert syncer.merge_threads(0, 32) == 8  # syncer.merge_threads = 0: the cores, at most 8
   assert syncer.merge_threads(0, 4) == 4
   assert syncer.merge_threads(16, 32) == 16 and syncer.merge_threads(16, 4) == 4
-  assert syncer.measured_merge_rate("fp32") > syncer.measured_merge_rate("int8") == syncer.measured_merge_rate("int4")
+
+
+def _bench_result(downlink, fused_rates):
+  rows = [{"path": "unfused", "threads": 1, "params_per_cpu_s": 1.0}]
+  rows += [{"path": "fused", "threads": t, "params_per_cpu_s": r} for t, r in fused_rates]
+  return {"downlink_codec": downlink, "rows": rows}
+
+
+def test_merge_rates_take_the_fused_single_thread_rate_per_downlink_class():
+  results = [_bench_result("fp32", [(1, 700e6), (2, 1.3e9)]), _bench_result("fp32", [(1, 650e6)]),
+             _bench_result("int4", [(1, 500e6)])]
+  assert syncer.merge_rates(results) == {"fp32": 650e6, "quantized": 500e6}  # the lower of two runs
+  assert syncer.downlink_class("int8") == syncer.downlink_class("bf16") == "quantized"
 
 
 def _count(found):
@@ -107,7 +119,7 @@ def _count(found):
 def test_shard_count_is_monotone_on_b12():
   b12 = syncer_cli.setup_of(_config("b12"))
   assert sum(b12.sizes) > 12e9 and len(b12.sizes) == 4
-  rate = 8 * syncer.measured_merge_rate("fp32")
+  rate = 8 * 743e6  # 8 merge threads at a measured fp32 rate per core
   host = 256 * 10**9
   # Faster steps: more shards for the rate, up to none at all (one fragment per shard is not enough).
   steps = [4.0, 1.0, 0.25, 0.1, 0.05, 0.02, 0.01]
@@ -135,8 +147,11 @@ def _run(args, capsys):
   return rc, capsys.readouterr()
 
 
-def test_cli_json_and_table(capsys):
-  rc, io = _run(["--configs", TINY, "--learners", "2,4", "--step-s", "0.5", "--json"], capsys)
+def test_cli_json_and_table(capsys, tmp_path):
+  measured = tmp_path / "bench_syncer.json"
+  measured.write_text(json.dumps(_bench_result("int4", [(1, 512e6)])))
+  rc, io = _run(["--configs", TINY, "--learners", "2,4", "--step-s", "0.5", "--json", "--bench-syncer",
+                 str(measured)], capsys)
   rows = json.loads(io.out)["rows"]
   assert rc == 0 and [r["learners"] for r in rows] == [2, 4]
   r = rows[1]
@@ -147,8 +162,8 @@ def test_cli_json_and_table(capsys):
   assert r["memory_one_process"]["total"] == P + 12 * 460_032 + 8 * 64_692 + 590_976 + 2 * 3 * 460_032
   shipped = syncer_cli.setup_of(_config("tiny_cpu"))
   assert r["at_shards"]["per_shard"] == max(x["memory"]["total"] for x in syncer.shard_layout(shipped, 4, 2, 0.5))
-  assert r["merge_rate_per_core"] == syncer.measured_merge_rate("int4")
-  rc, io = _run(["--configs", f"{TINY},{SMALL}", "--shards", "3"], capsys)
+  assert r["merge_rate_per_core"] == 512e6 and r["cores_busy"] == pytest.approx(92_006.4 / 512e6)
+  rc, io = _run(["--configs", f"{TINY},{SMALL}", "--shards", "3", "--merge-rate", "7e8"], capsys)
   assert rc == 0 and "a sharded syncer (`syncer --shard I --shards S`)" in io.out and "n/a (> P)" in io.out
   assert [line.split()[0] for line in io.out.splitlines()[2:8]] == ["tiny_cpu"] * 3 + ["small_cpu"] * 3
 
@@ -167,6 +182,21 @@ def test_cli_errors_name_the_flag(args, names, capsys):
   with pytest.raises(SystemExit) as e:
     commands.main(["diloco_jax", "sim", "syncer", "--configs", TINY, *args])
   assert e.value.code == 2 and names in capsys.readouterr().err
+
+
+def test_without_a_rate_it_measures_one_per_downlink_class(capsys, monkeypatch):
+  monkeypatch.setattr(syncer_cli, "MEASURE_PARAMS", 20_000)  # a real `bench syncer` run, on a small fragment
+  rc, io = _run(["--configs", TINY, "--learners", "4", "--json"], capsys)
+  (row,) = json.loads(io.out)["rows"]
+  assert rc == 0 and row["merge_rate_per_core"] > 1e6  # parameters per CPU-second, measured here
+
+
+def test_a_bench_syncer_file_without_a_result_is_a_usage_error(capsys, tmp_path):
+  bad = tmp_path / "figures.json"
+  bad.write_text("{}")
+  with pytest.raises(SystemExit) as e:
+    commands.main(["diloco_jax", "sim", "syncer", "--configs", TINY, "--bench-syncer", str(bad)])
+  assert e.value.code == 2 and "--bench-syncer" in capsys.readouterr().err
 
 
 def test_help_names_the_command():
