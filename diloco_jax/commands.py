@@ -23,8 +23,8 @@ PROGRAM = "python -m diloco_jax"
 @dataclasses.dataclass(frozen=True)
 class Command:
   """A command: `target` is "module:function" (the function takes argv and returns an exit status).
-  `flags`: for a command whose module loads jax, the function of `command_flags` that defines its flags
-  (`config`: whether it takes --config), so that its --help imports neither the module nor jax."""
+  `flags`: for a command whose module loads jax, "module:function" of a light module that defines its flags
+  (`config`: whether it takes --config), so that its --help imports neither the command's module nor jax."""
 
   target: str
   help: str
@@ -44,23 +44,31 @@ class Group:
 
 BENCH = Group("benchmarks that print figures", "benchmark", {
     "step": Command("diloco_jax.tools.bench.step:bench_step",
-                    "tokens/s of the jitted inner step and its FLOP rate against a measured matmul rate"),
+                    "tokens/s of the jitted inner step and its FLOP rate against a measured matmul rate",
+                    flags="diloco_jax.tools.bench.bench_flags:step"),
     "quality": Command("diloco_jax.tools.bench.quality:bench_quality",
-                       "data-parallel vs Decoupled DiLoCo on one token budget: eval loss and bytes (--ladder)"),
+                       "data-parallel vs Decoupled DiLoCo on one token budget: eval loss and bytes (--ladder)",
+                       flags="diloco_jax.tools.bench.bench_flags:quality"),
     "overhead": Command("diloco_jax.tools.bench.overhead:bench_overhead",
-                        "a learner's tokens/s with its outer loop active against the bare inner step"),
+                        "a learner's tokens/s with its outer loop active against the bare inner step",
+                        flags="diloco_jax.tools.bench.bench_flags:overhead"),
     "transport": Command("diloco_jax.tools.bench.transport:bench_transport",
                          "fragment push/pull throughput over loopback gRPC against a raw socket copy"),
     "wan": Command("diloco_jax.tools.bench.wan:bench_wan",
-                   "compute utilization on an emulated slow link, staggered fragments vs all-at-once"),
+                   "compute utilization on an emulated slow link, staggered fragments vs all-at-once",
+                   flags="diloco_jax.tools.bench.bench_flags:wan"),
     "syncer": Command("diloco_jax.tools.bench.syncer:bench_syncer",
-                      "parameters the syncer absorbs per second (merge, outer step, downlink) vs memory speed"),
+                      "parameters the syncer absorbs per second (merge, outer step, downlink) vs memory speed",
+                      flags="diloco_jax.tools.bench.bench_flags:syncer", config=False),
     "multihost": Command("diloco_jax.tools.bench.multihost:bench_multihost",
-                         "a learner spanning several processes against one process on the same devices"),
+                         "a learner spanning several processes against one process on the same devices",
+                         flags="diloco_jax.tools.bench.bench_flags:multihost"),
     "chaos": Command("diloco_jax.tools.bench.chaos:bench_chaos",
-                     "goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator"),
+                     "goodput under one failure schedule: Decoupled DiLoCo vs data-parallel vs the simulator",
+                     flags="diloco_jax.tools.bench.bench_flags:chaos"),
     "hetero": Command("diloco_jax.tools.bench.hetero:bench_hetero",
-                      "mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace"),
+                      "mixed-speed learners: goodput and quality of K = M, K = 1 and K = 1 + grace",
+                      flags="diloco_jax.tools.bench.bench_flags:hetero"),
     "suite": Command("diloco_jax.tools.bench.suite:bench_suite",
                      "the headline benchmarks in a fixed order, repeated, into one JSON file (make bench)"),
 })
@@ -71,9 +79,11 @@ SIM = Group("the scale simulator, the bandwidth planner and the sizing of a run'
     "bandwidth": Command("diloco_jax.tools.sim.bandwidth_cli:sim_bandwidth",
                          "the WAN bandwidth each method needs for a target compute utilization"),
     "sizing": Command("diloco_jax.tools.sim.sizing:sim_sizing",
-                      "a config's syncer memory and disk, bytes per learner and outer period", flags="sim_sizing"),
+                      "a config's syncer memory and disk, bytes per learner and outer period",
+                      flags="diloco_jax.command_flags:sim_sizing"),
     "syncer": Command("diloco_jax.tools.sim.syncer_cli:sim_syncer",
-                      "the syncer's memory, ingest rate and shard count for every shipped config and several M"),
+                      "the syncer's memory, ingest rate and shard count for every shipped config and several M",
+                      flags="diloco_jax.tools.sim.args:sim_syncer", config=False),
 }, epilog="""Examples:
   python -m diloco_jax sim goodput --table
   python -m diloco_jax sim goodput --chips 1200000 --learners 8 --strategy dp,elastic,diloco
@@ -88,21 +98,23 @@ Progress goes to stderr; tables (or JSON with --json) to stdout; PNG plots to --
 COMMANDS: dict[str, Command | Group] = {
     "train": Command("diloco_jax.runs.inprocess:train",
                      "Decoupled DiLoCo: M learners on slices of this process's devices, with the syncer core",
-                     flags="train"),
+                     flags="diloco_jax.command_flags:train"),
     "baseline": Command("diloco_jax.runs.baseline:train_baseline",
                         "synchronous data-parallel training of the same model and data, for comparisons",
-                        flags="baseline"),
-    "syncer": Command("diloco_jax.syncer.app:run_syncer_process", "the gRPC syncer service", flags="syncer"),
+                        flags="diloco_jax.command_flags:baseline"),
+    "syncer": Command("diloco_jax.syncer.app:run_syncer_process", "the gRPC syncer service",
+                      flags="diloco_jax.command_flags:syncer"),
     "learner": Command("diloco_jax.learner.process:run_learner_process",
-                       "one learner process talking to a gRPC syncer", flags="learner"),
+                       "one learner process talking to a gRPC syncer", flags="diloco_jax.command_flags:learner"),
     "local": Command("diloco_jax.runs.local:launch",
-                     "a syncer, the global model's evaluator and N learner processes on this machine", flags="local"),
+                     "a syncer, the global model's evaluator and N learner processes on this machine",
+                     flags="diloco_jax.command_flags:local"),
     "evaluator": Command("diloco_jax.evaluator.process:run_evaluator_process",
                          "the global model's eval curve, from a gRPC syncer (an observer: it never joins)",
-                         flags="evaluator"),
+                         flags="diloco_jax.command_flags:evaluator"),
     "chaos": Command("diloco_jax.tools.chaos.command:run_chaos",
                      "`local` under a seeded fault schedule (kills, stops, cut-offs, syncer restarts), with a report",
-                     flags="chaos"),
+                     flags="diloco_jax.command_flags:chaos"),
     "status": Command("diloco_jax.tools.status:show_status",
                       "what a running syncer is doing: learners, fragments, counters, goodput (--watch)"),
     "plot": Command("diloco_jax.tools.plot:plot_runs",
@@ -112,14 +124,15 @@ COMMANDS: dict[str, Command | Group] = {
     "tokenizer": Command("diloco_jax.tools.tokenizer:train_tokenizer", "train a SentencePiece tokenizer on text"),
     "tokenize": Command("diloco_jax.tools.tokenize:tokenize_text",
                         "pre-tokenize text into ArrayRecord shards (data.format=\"array_record\")",
-                        flags="tokenize", config=False),
+                        flags="diloco_jax.command_flags:tokenize", config=False),
     "export": Command("diloco_jax.tools.export:export_model",
-                      "export the global model of a syncer's checkpoint (params, config, tokenizer)", flags="export"),
+                      "export the global model of a syncer's checkpoint (params, config, tokenizer)",
+                      flags="diloco_jax.command_flags:export"),
     "eval": Command("diloco_jax.tools.evaluate:evaluate_models",
                     "loss of exported models (nats per token, bits per byte) on the eval set or any text",
-                    flags="evaluate", config=False),
+                    flags="diloco_jax.command_flags:evaluate", config=False),
     "sample": Command("diloco_jax.tools.sample:sample_text", "generate text from an exported model",
-                      flags="sample", config=False),
+                      flags="diloco_jax.command_flags:sample", config=False),
     "replay": Command("diloco_jax.tools.replay:replay_tape",
                       "replay a syncer's recorded tape (--record-tape) through a fresh core, checking it bit for bit"),
     "sizes": Command("diloco_jax.tools.sizes:print_sizes",
@@ -179,12 +192,11 @@ def dispatch(program: str, args: list[str], commands: dict[str, Command | Group]
 
 
 def light_help(program: str, entry: Command) -> str:
-  """A command's --help from `command_flags` and its module's docstring read from source (not imported)."""
+  """A command's --help from its `flags` and its module's docstring read from source (neither imported)."""
   module = entry.target.split(":")[0]
   spec = importlib.util.find_spec(module)  # imports the parent packages only (they import nothing heavy)
   doc = ast.get_docstring(ast.parse(pathlib.Path(spec.origin).read_text())) or ""
-  return cli.command_help(program, doc, getattr(importlib.import_module("diloco_jax.command_flags"), entry.flags),
-                          config=entry.config)
+  return cli.command_help(program, doc, resolve(entry.flags), config=entry.config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,11 +27,11 @@ import sys
 import time
 
 import numpy as np
-from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax.runs import children as run_children
+from diloco_jax.tools.bench import bench_flags
 from diloco_jax.tools.chaos import history
 from diloco_jax.tools.chaos import job as chaos_job
 from diloco_jax.tools.chaos import schedule as chaos_schedule
@@ -216,27 +216,9 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
 # ---- the command ---------------------------------------------------------------------------------------
 
 
-def _flags(fv):
-  flags.DEFINE_integer("learners", 6, "learners (data-parallel: the same devices in one job)", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "seed of the failure times and targets", flag_values=fv)
-  flags.DEFINE_float("mtbf-s", 15.0, "mean seconds between failures, whole job", flag_values=fv)
-  flags.DEFINE_float("min-step-s", 0.1, "emulation.min_step_s, if the config sets none: every learner (and the "
-                     "data-parallel job) steps at this emulated accelerator speed, so that on a shared CPU a "
-                     "failed learner does not speed up the others", flag_values=fv)
-  flags.DEFINE_float("repair-s", 10.0, "seconds a failed learner (data-parallel: the job) stays out",
-                     flag_values=fv)
-  flags.DEFINE_string("schedule", None, "a `chaos` schedule file instead of the Poisson failures",
-                      flag_values=fv)
-  flags.DEFINE_string("workdir", "runs/bench_chaos", "scratch directory", flag_values=fv)
-  flags.DEFINE_string("diloco-reference", None, "reuse the undisturbed DiLoCo run of a `chaos` report.json "
-                      "(same config and learners)", flag_values=fv)
-  flags.DEFINE_integer("repeats", 20, "simulator repeats", flag_values=fv)
-  flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
-
-
 def bench_chaos(argv) -> int:
   """`python -m diloco_jax bench chaos --config C --learners N ...`; see the module docstring."""
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.chaos, doc=__doc__)
   config, learners = fv.config, fv.learners
   if learners < 1 or fv["mtbf-s"].value <= 0 or fv["repair-s"].value < 0:
     raise cli.UsageError("--learners must be >= 1, --mtbf-s > 0 and --repair-s >= 0")

@@ -27,7 +27,6 @@ import sys
 import threading
 
 import jax
-from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
@@ -35,33 +34,15 @@ from diloco_jax import metrics as metrics_lib
 from diloco_jax.learner import loop as loop_lib
 from diloco_jax.runs import baseline, inprocess
 from diloco_jax.runs import children as run_children
+from diloco_jax.tools.bench import bench_flags
+from diloco_jax.tools.bench.bench_flags import SETTINGS, SLOW_SPEED
 from diloco_jax.tools.sim import goodput as sim_goodput
 from diloco_jax.tools.sim.args import parse_groups
 
-SETTINGS = sim_goodput.QUORUM_SETTINGS  # all, k1, k1grace: the paper's three rows
 # The paper's mixed-hardware rows (8 learners, 4 TPU v6e beside 4 TPU v5p): goodput (%), average text and
 # vision scores. Reference values, printed beside the measured ones, never used in a computation.
 PAPER = {"all": (84, 54.4, 37.6), "k1": (100, 51.4, 25.7), "k1grace": (100, 55.3, 37.0)}
-SLOW_SPEED = 1 / 1.18  # 18% slower
 GOAL_GOODPUT, GOAL_GAIN_POINTS, GOAL_LOSS_RATIO, GOAL_SIM_POINTS, GOAL_RX_RATIO = 0.97, 5.0, 1.01, 5.0, 1.5
-
-
-def _flags(fv):
-  flags.DEFINE_string("groups", "", "SPEED:LEARNERS[,...] (e.g. 0.847:2,1:2); default: half of learners.num at "
-                      f"{SLOW_SPEED:.3f} (18% slower), the rest at 1. Sets emulation.speeds in this order.",
-                      flag_values=fv)
-  flags.DEFINE_float("step-cv", 0.1, "Step-time noise (coefficient of variation of each step).", flag_values=fv)
-  flags.DEFINE_float("step-s", 0.0, "A speed-1 learner's emulated step time; 0: twice the measured one.",
-                     flag_values=fv)
-  flags.DEFINE_list("settings", list(SETTINGS), f"Quorum settings to run, of {', '.join(SETTINGS)}.",
-                    flag_values=fv)
-  flags.DEFINE_bool("baseline", True, "Also train the data-parallel baseline on the same token budget.",
-                    flag_values=fv)
-  flags.DEFINE_bool("processes", False, "Run each setting as a syncer and learner processes over gRPC.",
-                    flag_values=fv)
-  flags.DEFINE_integer("sim-repeats", 3, "Simulator repeats per setting.", flag_values=fv)
-  flags.DEFINE_string("workdir", "runs/bench_hetero", "Scratch directory (emptied first).", flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
 
 
 def learner_speeds(groups: tuple[tuple[float, int], ...], num: int) -> tuple[float, ...]:
@@ -293,7 +274,7 @@ def format_result(result: dict) -> str:
 
 
 def bench_hetero(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.hetero, doc=__doc__)
   config = fv.config
   settings = [s.strip() for s in fv.settings if s.strip()]
   for s in settings:

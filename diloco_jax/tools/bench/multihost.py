@@ -27,7 +27,6 @@ import time
 
 import jax
 import numpy as np
-from absl import flags
 from jax.experimental import multihost_utils
 
 from diloco_jax import cli
@@ -39,20 +38,8 @@ from diloco_jax.learner import loop as loop_lib
 from diloco_jax.runs import children as run_children
 from diloco_jax.syncer import build
 from diloco_jax.syncer.ticker import Ticker
+from diloco_jax.tools.bench import bench_flags
 from diloco_jax.transports.inprocess import InProcessTransport
-
-
-def _flags(fv):
-  flags.DEFINE_integer("devices", 4, "devices of the learner, in all", flag_values=fv)
-  flags.DEFINE_integer("processes", 2, "processes of the multi-process configurations", flag_values=fv)
-  flags.DEFINE_integer("chunks", 3, "alternating measurement chunks per side", flag_values=fv)
-  flags.DEFINE_integer("steps", 0, "steps per chunk (default 2 H)", flag_values=fv)
-  flags.DEFINE_bool("json", False, "print the result as JSON", flag_values=fv)
-  # One process of a configuration (the command runs itself once per process).
-  flags.DEFINE_string("worker-out", None, "internal: run as a worker writing its figures here", flag_values=fv)
-  flags.DEFINE_string("coordinator", None, "internal", flag_values=fv)
-  flags.DEFINE_integer("num-processes", 1, "internal", flag_values=fv)
-  flags.DEFINE_integer("process-id", 0, "internal", flag_values=fv)
 
 
 class CollectiveChannel:
@@ -195,7 +182,7 @@ def _run_configuration(argv_config: list[str], out_dir: pathlib.Path, name: str,
 
 
 def bench_multihost(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.multihost, doc=__doc__)
   config = fv.config
   config.learners.num = 1
   config.learners.devices = fv.devices

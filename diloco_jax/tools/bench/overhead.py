@@ -24,18 +24,11 @@ import time
 import tracemalloc
 
 import jax
-from absl import flags
 
 from diloco_jax import cli
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.runs import inprocess
-
-
-def _flags(fv):
-  flags.DEFINE_integer("chunks", 30, "Alternating measurement chunks per side.", flag_values=fv)
-  flags.DEFINE_integer("steps", 0, "Steps per chunk (default: whole sync periods of H, at least 8).",
-                       flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
+from diloco_jax.tools.bench import bench_flags
 
 
 def _timed(step_fn, trainer, steps: int) -> float:
@@ -89,7 +82,7 @@ class _MemorySampler:
 
 def bench_overhead(argv) -> int:
   """`python -m diloco_jax bench overhead --config C`; see the module docstring."""
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.overhead, doc=__doc__)
   config = fv.config
   cli.validated(config, len(cli.devices(config.learners.num * config.learners.devices, "bench overhead")),
                 learners=True)

@@ -22,11 +22,10 @@ import pathlib
 import shutil
 import sys
 
-from absl import flags
-
 from diloco_jax import cli
 from diloco_jax import metrics as metrics_lib
 from diloco_jax.runs import baseline, inprocess
+from diloco_jax.tools.bench import bench_flags
 from diloco_jax.tools.bench import frontier as frontier_lib
 from diloco_jax.tools.bench import seeds as seeds_lib
 
@@ -36,23 +35,6 @@ from diloco_jax.tools.bench import seeds as seeds_lib
 # at about 20 tokens per parameter (~2,250 steps), is no multiple of its steps: docs/benchmarks.md.
 LOSS_GOALS = {3: 1.08}
 BYTES_GOAL = 100.0
-
-
-def _flags(fv):
-  flags.DEFINE_string("workdir", "runs/bench_quality", "Scratch directory (emptied first).", flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
-  flags.DEFINE_list("budgets", ["1"], "Multiples of train.steps to run the pair at (e.g. 1,3,10).",
-                    flag_values=fv)
-  flags.DEFINE_string("plot", None, "PNG path for --budgets with more than one budget "
-                      "(default <workdir>/quality.png).", flag_values=fv)
-  flags.DEFINE_integer("seeds", 1, "Seeds to repeat every pair at (the config's seed + 0 .. N-1).",
-                       lower_bound=1, flag_values=fv)
-  flags.DEFINE_string("frontier", None, "JSONL file of the loss-against-bytes frontier: this run's points are "
-                      "appended and FILE.png redrawn with every point (tools/bench/frontier.py).", flag_values=fv)
-  flags.DEFINE_string("label", None, "This run's name on the frontier (default: its outer settings).",
-                      flag_values=fv)
-  flags.DEFINE_bool("ladder", False, "Also train the rungs of `ladder` (the parts of Decoupled DiLoCo put "
-                    "back one at a time) and print each one's share of the gap.", flag_values=fv)
 
 
 # The exact-averaging outer loop: one fragment, no overlap, every live learner, the plain average of fp32
@@ -244,7 +226,7 @@ def _parse_budgets(values: list[str]) -> list[int]:
 
 
 def bench_quality(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.quality, doc=__doc__)
   config = fv.config
   budgets = _parse_budgets(fv.budgets)
   base_steps = config.train.steps

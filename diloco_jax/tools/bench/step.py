@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,6 +33,7 @@ from diloco_jax.compute import mesh as mesh_lib
 from diloco_jax.compute import model as model_lib
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.data import pipeline as data_lib
+from diloco_jax.tools.bench import bench_flags
 
 # Distinct device batches cycled through the timed steps: more than one, so no step sees its predecessor's
 # exact input, few, so that they cost little memory.
@@ -42,16 +42,6 @@ _NUM_BATCHES = 2
 
 def _log(message: str) -> None:
   print(f"bench step: {message}", file=sys.stderr, flush=True)
-
-
-def _flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("steps", 10, "Timed inner steps (after the warm-up).", flag_values=fv, lower_bound=1)
-  flags.DEFINE_integer("warmup", 2, "Untimed steps after the compile.", flag_values=fv, lower_bound=0)
-  flags.DEFINE_integer("devices", 0, "Devices of the mesh (0 = mesh.num_devices, or all).", flag_values=fv,
-                       lower_bound=0)
-  flags.DEFINE_enum("matmul_dtype", "float32", ["float32", "bfloat16"],
-                    "Dtype of the reference matmul.", flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the results as one JSON object on stdout.", flag_values=fv)
 
 
 def _time_calls(fn, args_for, n: int, warmup: int):
@@ -193,7 +183,7 @@ def _report(r: dict) -> str:
 
 
 def bench_step(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.step, doc=__doc__)
   config = fv.config
   available = cli.devices(fv.devices or config.mesh.num_devices or config.learners.num * config.learners.devices,
                           "bench step")

@@ -25,18 +25,16 @@ import sys
 import time
 
 import numpy as np
-from absl import flags
 
 from diloco_jax import cli
 from diloco_jax import config as config_lib
 from diloco_jax.outer import chunked
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import merge as outer
-from diloco_jax.outer.codec import CODECS
 from diloco_jax.protocol.messages import Push
 from diloco_jax.syncer.core import SyncerCore
 from diloco_jax.syncer.settings import SyncerSettings
-from diloco_jax.tools.bench import outer_reference
+from diloco_jax.tools.bench import bench_flags, outer_reference
 
 LR, MOMENTUM = 0.7, 0.9
 FINGERPRINT = "bench-syncer"
@@ -219,21 +217,9 @@ def format_table(result: dict) -> str:
   return "\n".join(lines)
 
 
-def _flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("params", 1 << 24, "parameters of the fragment (16M: 64 MB of float32)", flag_values=fv)
-  flags.DEFINE_integer("pushes", 4, "M: pushes merged per round", flag_values=fv)
-  flags.DEFINE_enum("codec", "int4", list(CODECS), "the pushes' codec", flag_values=fv)
-  flags.DEFINE_enum("downlink", "fp32", list(CODECS), "the downlink codec", flag_values=fv)
-  flags.DEFINE_integer("block", 64, "quantization block", flag_values=fv)
-  flags.DEFINE_integer("rounds", 5, "timed rounds per path (the median counts)", flag_values=fv)
-  flags.DEFINE_list("threads", ["1", "0"], "merge threads of the fused path, one row each (0: this host's "
-                    "cores, at most 8)", flag_values=fv)
-  flags.DEFINE_bool("json", False, "print the result as JSON", flag_values=fv)
-
-
 def bench_syncer(argv) -> int:
   """`python -m diloco_jax bench syncer`; see the module docstring."""
-  fv = cli.parse(argv, _flags, doc=__doc__, config=False)
+  fv = cli.parse(argv, bench_flags.syncer, doc=__doc__, config=False)
   try:
     threads = tuple(dict.fromkeys(int(t) or chunked.default_threads() for t in fv.threads))
   except ValueError:

@@ -26,13 +26,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-from absl import flags  # noqa: E402
 
 from diloco_jax import cli  # noqa: E402
 from diloco_jax.compute import model as model_lib  # noqa: E402
 from diloco_jax.outer import schedule  # noqa: E402
+from diloco_jax.tools.bench import bench_flags
 from diloco_jax.tools.bench.wan_mode import BareSteps, Mode, run_mode  # noqa: E402
-from diloco_jax.tools.bench.wan_paper import LATENCIES_MS, PAPER_REDUCTION, run_paper  # noqa: E402
+from diloco_jax.tools.bench.wan_paper import PAPER_REDUCTION, run_paper  # noqa: E402
 from diloco_jax.transports import wan as wan_lib  # noqa: E402
 
 GOAL_UTIL = 0.95
@@ -57,26 +57,6 @@ def modes(config, int4: bool = True) -> list[Mode]:
   if int4:
     out.append(Mode("stream+int4", None, tau, in_flight, "int4", "int4"))
   return out
-
-
-def _flags(fv):
-  flags.DEFINE_float("gbps", 0.0, "Link bandwidth per direction in Gbit/s (0: derive it from the step "
-                     "time, see --link-periods).", flag_values=fv)
-  flags.DEFINE_float("latency-ms", 10.0, "One-way link latency in ms.", flag_values=fv)
-  flags.DEFINE_float("link-periods", 0.5, "Auto bandwidth: the link moves the full fp32 model in this "
-                     "many sync periods (H step-times).", flag_values=fv)
-  flags.DEFINE_integer("steps", 0, "Timed inner steps per mode (default 8 H; rounded up to a multiple "
-                       "of H).", flag_values=fv)
-  flags.DEFINE_bool("int4", True, "Also run streaming + overlap with int4 both ways.", flag_values=fv)
-  flags.DEFINE_bool("sync-steps", True, "Wait for each timed inner step to finish on the device (see the "
-                    "module docstring); --nosync-steps times the loop as run_learner runs it.", flag_values=fv)
-  flags.DEFINE_bool("paper-link", False, "Size the link at 1/236 of bf16 data-parallel's need and run the "
-                    "config's schedule and P = H on it at --latencies-ms (see the module docstring).", flag_values=fv)
-  flags.DEFINE_float("link-scale", 1.0, "--paper-link: multiply the link by this (1: the paper's).",
-                     flag_values=fv)
-  flags.DEFINE_list("latencies-ms", [f"{x:g}" for x in LATENCIES_MS], "--paper-link: one-way latencies in ms.",
-                    flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the result as JSON.", flag_values=fv)
 
 
 def format_table(rows) -> str:
@@ -146,7 +126,7 @@ def run(config, *, gbps: float = 0.0, latency_ms: float = 10.0, link_periods: fl
 
 
 def bench_wan(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__)
+  fv = cli.parse(argv, bench_flags.wan, doc=__doc__)
   config = fv.config
   need = config.learners.devices
   if len(cli.devices(need, "bench wan")) < need:

@@ -18,13 +18,13 @@ from diloco_jax import cli
 from diloco_jax.compute import model as model_lib
 from diloco_jax.outer import codec as codec_lib
 from diloco_jax.outer import schedule
+from diloco_jax.tools.bench.bench_flags import LATENCIES_MS
 from diloco_jax.tools.bench.wan_mode import BareSteps, Mode, run_mode
 from diloco_jax.transports import wan as wan_lib
 
 GOAL_UTIL = 0.95
 PAPER_REDUCTION = 236  # Decoupled DiLoCo: 198 Gbps for data-parallel, 0.84 Gbps with 8 learners
 DP_BYTES_PER_PARAM = 2  # data-parallel's gradient in bf16, as the paper's 198 Gbps assumes
-LATENCIES_MS = (1.0, 20.0, 80.0)
 
 
 def paper_link(params: int, workers: int, bare_step_s: float) -> float:

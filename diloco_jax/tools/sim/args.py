@@ -9,6 +9,7 @@ import sys
 from absl import flags
 
 from diloco_jax import cli
+from diloco_jax.outer import chunked
 
 
 def progress(message: str) -> None:
@@ -48,3 +49,20 @@ def parse_groups(text: str) -> tuple[tuple[float, int], ...]:
                            f"got {text!r}") from None
   return tuple(groups)
 
+
+def sim_syncer(fv: flags.FlagValues) -> None:
+  """`sim syncer`'s flags (tools/sim/syncer_cli.py, which loads jax): here, so that its --help does not."""
+  define = definer(fv)
+  define("list", "configs", [], "Config files (comma list; default: every configs/*.py of this repository).")
+  define("list", "learners", ["2", "4", "8"], "M values (comma list of integers >= 1).")
+  define("float", "step-s", 1.0, "Inner step time in seconds (every config, every M).")
+  define("integer", "shards", 2, "Shard count for the per-shard and total memory columns.")
+  define("float", "merge-rate", 0.0, "Parameters absorbed per second per core; 0: from --bench-syncer, else "
+         "measured here (`bench syncer`, fused, 1 thread, for the config's downlink: fp32 or quantized).")
+  define("string", "bench-syncer", "", "A `bench syncer --json` result, or `make bench`'s figures file "
+         "(runs/bench/figures.json): the merge rates per core it measured.")
+  define("integer", "cores-per-shard", 32, "Cores of a shard's host (merge threads: syncer.merge_threads, or "
+         f"with 0 these cores up to {chunked.DEFAULT_THREAD_LIMIT}).")
+  define("float", "host-memory-gb", 256.0, "Memory of a shard's host, GB (default: an n2-highmem-32, 32 vCPUs "
+         "and 256 GB, a syncer machine of launch/tpu/presets.sh).")
+  define("bool", "json", False, "Print JSON instead of a table.")

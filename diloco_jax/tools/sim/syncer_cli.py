@@ -22,10 +22,9 @@ import math
 import pathlib
 
 from diloco_jax import cli
-from diloco_jax.outer import chunked
 from diloco_jax.tools.bench import syncer as bench_syncer
-from diloco_jax.tools.sim import sizing, syncer
-from diloco_jax.tools.sim.args import definer, numbers
+from diloco_jax.tools.sim import args, sizing, syncer
+from diloco_jax.tools.sim.args import numbers
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs"
 MEASURE_PARAMS = 1 << 22  # the fragment `bench syncer` merges when no rate is given (a few seconds)
@@ -34,23 +33,6 @@ MEASURE_PARAMS = 1 << 22  # the fragment `bench syncer` merges when no rate is g
 def shipped_configs() -> list[str]:
   """The repository's configs/*.py, sorted by name."""
   return [str(p) for p in sorted(CONFIG_DIR.glob("*.py")) if p.name != "__init__.py"]
-
-
-def _flags(fv):
-  define = definer(fv)
-  define("list", "configs", [], "Config files (comma list; default: every configs/*.py of this repository).")
-  define("list", "learners", ["2", "4", "8"], "M values (comma list of integers >= 1).")
-  define("float", "step-s", 1.0, "Inner step time in seconds (every config, every M).")
-  define("integer", "shards", 2, "Shard count for the per-shard and total memory columns.")
-  define("float", "merge-rate", 0.0, "Parameters absorbed per second per core; 0: from --bench-syncer, else "
-         "measured here (`bench syncer`, fused, 1 thread, for the config's downlink: fp32 or quantized).")
-  define("string", "bench-syncer", "", "A `bench syncer --json` result, or `make bench`'s figures file "
-         "(runs/bench/figures.json): the merge rates per core it measured.")
-  define("integer", "cores-per-shard", 32, "Cores of a shard's host (merge threads: syncer.merge_threads, or "
-         f"with 0 these cores up to {chunked.DEFAULT_THREAD_LIMIT}).")
-  define("float", "host-memory-gb", 256.0, "Memory of a shard's host, GB (default: an n2-highmem-32, 32 vCPUs "
-         "and 256 GB, a syncer machine of launch/tpu/presets.sh).")
-  define("bool", "json", False, "Print JSON instead of a table.")
 
 
 def load_config(path: str):
@@ -194,7 +176,7 @@ def measured_merge_rate(downlink_codec: str, known: dict[str, float]) -> float:
 
 
 def sim_syncer(argv) -> int:
-  fv = cli.parse(argv, _flags, doc=__doc__, config=False)
+  fv = cli.parse(argv, args.sim_syncer, doc=__doc__, config=False)
   learners = numbers(fv, "learners", int)
   if not learners or min(learners) < 1:
     raise cli.UsageError(f"--learners must be integers >= 1, got {','.join(fv.learners)!r}")
