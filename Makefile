@@ -50,8 +50,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 # The Cloud TPU scripts on the emulated cloud (tests/emucloud.py): a whole run from the data step to a saved
-# model, ~5 minutes on 2 cores (also in test-slow; not in test, whose budget is 10 minutes), then the scripts'
-# fast tests.
+# model, about 3.5 minutes on 2 cores (also in test's process tier), then the scripts' fast tests.
 test-cloud: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" tests/process/test_cloud.py tests/launch/test_tpu.py \
 	  tests/process/test_launch_hosts.py

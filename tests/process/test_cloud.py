@@ -92,7 +92,8 @@ def _wait_for_checkpoint(learner: int, above: int, timeout: float = 180, committ
   raise AssertionError(f"learner {learner}: no checkpoint above step {above} in {ckpt} after {timeout}s")
 
 
-@pytest.mark.slow  # ~5 minutes on 2 cores: `make test-cloud` and `make test-slow` run it
+# In `make test`'s process tier (issue 25: the launch must be proved where it can run here), and in
+# `make test-cloud` with the scripts' own tests.
 def test_a_run_on_the_emulated_cloud_from_data_to_a_saved_model(cloud, tmp_path, monkeypatch):
   t0 = time.monotonic()
   for name, value in cloud.host_env.items():
