@@ -192,6 +192,13 @@ class FakeCloud:
                 instances={f"{RUN}-syncer": {"status": "RUNNING", "machine": "n2-highmem-8"}},
                 firewalls=[f"{RUN}-syncer-grpc"])
 
+  def created_with_l1_preempted(self) -> None:
+    """`created`, then learner 1's spot slice preempted (its queued resource SUSPENDED)."""
+    self.created()
+    st = self.state()
+    st["qr"][f"{RUN}-l1"]["state"] = "SUSPENDED"
+    self.write_state(st)
+
 
 @pytest.fixture
 def cloud(tmp_path):
@@ -383,10 +390,7 @@ def test_stop_without_bucket_copies_the_export_here(cloud):
 
 
 def test_stop_skips_preempted_slices_and_still_saves_the_model(cloud):
-  cloud.created()
-  st = cloud.state()
-  st["qr"][f"{RUN}-l1"]["state"] = "SUSPENDED"
-  cloud.write_state(st)
+  cloud.created_with_l1_preempted()
   _ok(cloud.run("stop.sh"))
   stops = [c[4] for c in cloud.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
   assert stops == [f"{RUN}-l0"]
@@ -394,10 +398,7 @@ def test_stop_skips_preempted_slices_and_still_saves_the_model(cloud):
 
 
 def test_heal_recreates_a_preempted_slice_and_deploys_only_there(cloud):
-  cloud.created()
-  st = cloud.state()
-  st["qr"][f"{RUN}-l1"]["state"] = "SUSPENDED"
-  cloud.write_state(st)
+  cloud.created_with_l1_preempted()
   _ok(cloud.run("heal.sh"))
   calls = cloud.calls()
   (delete,) = [c for c in calls if c[:4] == ["compute", "tpus", "queued-resources", "delete"]]
