@@ -87,7 +87,13 @@ def test_a_learner_that_crashes_leaves_and_the_others_finish(tiny_config, tmp_pa
   with pytest.raises(RuntimeError, match="learner 1 broke"):
     inprocess.run(c, str(tmp_path), quiet=True)
   records = [json.loads(line) for line in (tmp_path / "syncer" / "rounds.jsonl").read_text().splitlines()]
-  assert records and records[-1]["contributors"] == [0]  # rounds went on without learner 1
+  # Rounds went on without learner 1: in every fragment, the last round holding learner 0's push holds only
+  # it. (Not "the last round is learner 0's": a push learner 1 made before its crash may still arrive after
+  # learner 0's last one, its first encode compiling on a cold cache; it is honest work, merged in a round of
+  # its own: seen once in a clean-clone CI run.)
+  for p in range(c.outer.num_fragments):
+    with_0 = [r["contributors"] for r in records if r["fragment"] == p and 0 in r["contributors"]]
+    assert with_0 and with_0[-1] == [0], (p, records)
 
 
 def test_a_front_loaded_learner_syncs_on_its_schedule_and_no_push_is_refused(tiny_config, monkeypatch):
