@@ -27,12 +27,12 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax.compute import trainer as trainer_lib
 from diloco_jax.learner import device as device_lib
+from diloco_jax.learner import pace as pace_lib
 from diloco_jax.learner import phase as phase_lib
 from diloco_jax.learner import recovery as recovery_lib
 from diloco_jax.learner import strategy as strategy_lib
 from diloco_jax.learner import summary as summary_lib
 from diloco_jax.learner.comms import Comms, SyncResult
-from diloco_jax.learner.pace import StepPacer
 from diloco_jax.learner.recovery import Action, RecoveryPlan
 from diloco_jax.outer import fragments as fragments_lib
 from diloco_jax.protocol import messages as protocol
@@ -88,7 +88,7 @@ class Learner:
         config, devices, workdir, batch_size=config.learners.batches[learner_id % num_learners],
         num_shards=num_learners, shard_index=learner_id % num_learners, async_checkpoints=async_checkpoints,
         checkpoint_dir=checkpoint_dir, train_cfg=config.learners.inner)
-    self.pacer = StepPacer.from_spec(config, learner_id % num_learners)
+    self.pacer = pace_lib.StepPacer.from_spec(config, learner_id % num_learners)
     self.restored = self.trainer.restore()
     self.plan = fragments_lib.plan_for_config(self.trainer.state.params, config)
     self.max_in_flight = config.outer.max_in_flight
@@ -100,10 +100,11 @@ class Learner:
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(n)),
         max_in_flight=self.max_in_flight, heartbeat_s=config.outer.heartbeat_s,
         step_group=max(8, config.train.log_every))
-    # The end of the previous step and the blocked time by then: a step's reported time runs from there
-    # (the loop's metrics fetches and evals between steps are part of its pace; `Comms.report_step_time`).
+    # The end of the previous step and the time blocked or compiling by then: a step's reported time runs
+    # from there (the loop's metrics fetches and evals between steps are part of its pace, waits on the
+    # syncer and XLA compilation are not; `Comms.report_step_time`, `pace.compile_seconds`).
     self._last_step_end: float | None = None
-    self._blocked_by_last_end = 0.0
+    self._excluded_by_last_end = 0.0
     # The steps dispatched but maybe not run yet: at most max(1, tau) (`train_step`).
     self._dispatched: collections.deque = collections.deque()
     self.base_version = [0] * n
@@ -345,8 +346,9 @@ class Learner:
     elapsed = end - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
     since = t0 if self._last_step_end is None else self._last_step_end
-    pace = end - since - (self.stats.blocked_s - self._blocked_by_last_end)
-    self._last_step_end, self._blocked_by_last_end = end, self.stats.blocked_s
+    excluded = self.stats.blocked_s + pace_lib.compile_seconds()
+    pace = max(0.0, end - since - (excluded - self._excluded_by_last_end))
+    self._last_step_end, self._excluded_by_last_end = end, excluded
     if self.comms is not None:
       self.comms.report_step_time(pace, self.trainer.step)
 

@@ -6,17 +6,48 @@ step has finished on the device it sleeps until the step took `step_s / speed * 
 `emulation.step_s` or, when that is 0, the median of the learner's own measured step times. A step whose
 computation already took longer is not shortened (an "overrun", counted). The sleep is part of the inner
 step: reported in its step time (the syncer's grace window) and counted as compute, never as blocked time.
+
+`compile_seconds`: the time the calling thread spent compiling for XLA, left out of the reported step time.
 """
 
 from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import time
 
+import jax
 import numpy as np
 
 _MEDIAN_WINDOW = 32  # measured steps behind the step_s = 0 estimate
+
+# Lowering to XLA and compiling it (or reading it from the persistent cache). Not jaxpr tracing: an outer
+# function's trace holds the traces of the jitted functions it calls, so its events nest.
+_COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"})
+_compiling = threading.local()
+_listening = threading.Lock()
+_listener_registered = False
+
+
+def _on_duration(event: str, duration_s: float, **_) -> None:
+  if event in _COMPILE_EVENTS:
+    _compiling.seconds = getattr(_compiling, "seconds", 0.0) + duration_s
+
+
+def compile_seconds() -> float:
+  """Seconds the calling thread has spent lowering and compiling for XLA since this was first called (jax
+  reports both in the thread that compiles). A learner leaves them out of its reported step time: the first
+  sync, adoption and eval of a run compile in the middle of the inner loop (seconds each with a cold cache),
+  and a step time inflated by them made the syncer's grace window plan for steps 5-10x too long for the
+  first rounds, so a fast learner's sync came back after the fragment was due again and it waited."""
+  global _listener_registered
+  with _listening:
+    if not _listener_registered:
+      jax.monitoring.register_event_duration_secs_listener(_on_duration)
+      _listener_registered = True
+  return getattr(_compiling, "seconds", 0.0)
 
 
 class StepPacer:

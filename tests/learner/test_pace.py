@@ -1,6 +1,10 @@
-"""Emulated learner speeds (`learner/pace.py`): the step pacer and its noise."""
+"""A learner's pace (`learner/pace.py`): the step pacer of emulated speeds and its noise, and the compile
+time left out of the reported step time."""
 
+import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -35,3 +39,25 @@ def test_pacer_noise_has_mean_one_and_the_asked_cv():
   assert a.noise() == a2.noise() != b.noise()
   with pytest.raises(ValueError, match="speeds"):
     pace.StepPacer(speed=0.0)
+
+
+def test_compile_seconds_counts_this_threads_compiles_and_not_anothers():
+  # A shape never compiled before in this process: a real lowering and XLA compile (or a cache read).
+  fn = jax.jit(lambda x: jnp.tanh(x @ x.T) * 3.0 + 1.0)
+  before = pace.compile_seconds()
+  fn(jnp.ones((7, 13))).block_until_ready()
+  compiled = pace.compile_seconds() - before
+  assert compiled > 0
+  fn(jnp.ones((7, 13))).block_until_ready()  # cached in memory: nothing compiles
+  assert pace.compile_seconds() - before == compiled
+
+  def other_thread():
+    pace.compile_seconds()
+    fn(jnp.ones((5, 11))).block_until_ready()  # another shape: compiles, in that thread
+    seen.append(pace.compile_seconds())
+
+  seen = []
+  thread = threading.Thread(target=other_thread)
+  thread.start()
+  thread.join()
+  assert seen[0] > 0 and pace.compile_seconds() - before == compiled
