@@ -33,6 +33,7 @@ from diloco_jax.protocol.interfaces import Transport
 from diloco_jax.protocol.messages import Kind
 
 log = logging.getLogger(__name__)
+_CONSISTENT_READS = 3  # fetches of the global model before its tokens are taken as read (`evaluate`)
 
 
 def eval_mesh(config, devices: Sequence[jax.Device]):
@@ -162,8 +163,13 @@ class GlobalEvaluator:
   def evaluate(self, final: bool = False) -> dict:
     """Evaluate the global model now; returns (and writes) the record."""
     with self._lock:
-      fragment_tokens, _ = self.source.progress()
-      vectors, versions = self.source.fetch()
+      # The tokens of the model evaluated: read after the fetch, and matched by its versions (a merge between
+      # two reads made a record of stale tokens with the new versions, which the final record then repeated).
+      for _ in range(_CONSISTENT_READS):
+        vectors, versions = self.source.fetch()
+        fragment_tokens, now = self.source.progress()
+        if now == versions:
+          break
       t0 = time.perf_counter()
       loss = self.global_eval.loss(self.global_eval.params(vectors))
       record = {"step": self.schedule.step(fragment_tokens), "tokens": self.schedule.tokens(fragment_tokens),
@@ -208,8 +214,9 @@ class GlobalEvaluator:
     if self._thread is not None:
       self._thread.join()
     if final:
-      _, versions = self.source.progress()
-      if self.latest is None or versions != self.latest["versions"]:
+      fragment_tokens, versions = self.source.progress()
+      if (self.latest is None or versions != self.latest["versions"]
+          or self.schedule.tokens(fragment_tokens) != self.latest["tokens"]):
         self.evaluate(final=True)
       elif not self.latest["final"]:
         self.latest = {**self.latest, "final": True, "repeat": True, "eval_s": 0.0,

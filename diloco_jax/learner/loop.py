@@ -100,11 +100,7 @@ class Learner:
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(n)),
         max_in_flight=self.max_in_flight, heartbeat_s=config.outer.heartbeat_s,
         step_group=max(8, config.train.log_every))
-    # The end of the previous step and the time blocked or compiling by then: a step's reported time runs
-    # from there (the loop's metrics fetches and evals between steps are part of its pace, waits on the
-    # syncer and XLA compilation are not; `Comms.report_step_time`, `pace.compile_seconds`).
-    self._last_step_end: float | None = None
-    self._excluded_by_last_end = 0.0
+    self.step_clock = pace_lib.StepClock()  # the step time reported to the syncer
     # The steps dispatched but maybe not run yet: at most max(1, tau) (`train_step`).
     self._dispatched: collections.deque = collections.deque()
     self.base_version = [0] * n
@@ -345,10 +341,7 @@ class Learner:
     end = time.perf_counter()
     elapsed = end - t0 - (self.stats.blocked_s - blocked_before)
     self.stats.compute_s += elapsed
-    since = t0 if self._last_step_end is None else self._last_step_end
-    excluded = self.stats.blocked_s + pace_lib.compile_seconds()
-    pace = max(0.0, end - since - (excluded - self._excluded_by_last_end))
-    self._last_step_end, self._excluded_by_last_end = end, excluded
+    pace = self.step_clock.lap(t0, end, self.stats.blocked_s)
     if self.comms is not None:
       self.comms.report_step_time(pace, self.trainer.step)
 

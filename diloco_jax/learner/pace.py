@@ -7,7 +7,8 @@ step has finished on the device it sleeps until the step took `step_s / speed * 
 computation already took longer is not shortened (an "overrun", counted). The sleep is part of the inner
 step: reported in its step time (the syncer's grace window) and counted as compute, never as blocked time.
 
-`compile_seconds`: the time the calling thread spent compiling for XLA, left out of the reported step time.
+`StepClock`: the step time a learner reports, less its waits on the syncer and its XLA compilation
+(`compile_seconds`).
 """
 
 from __future__ import annotations
@@ -106,3 +107,23 @@ class StepPacer:
   def stats(self) -> dict:
     return {"speed": self.speed, "step_cv": self.step_cv, "step_s": self.step_s, "paced_steps": self.steps,
             "overrun_steps": self.overruns, "stretch_s": self.slept_s}
+
+
+class StepClock:
+  """A learner's pace, step by step: the wall time from the end of one step to the end of the next (the
+  loop's metrics fetches and evals between steps are part of it), less the time the inner loop waited on the
+  syncer or compiled for XLA in between (`compile_seconds`). `Comms.report_step_time` takes each lap."""
+
+  def __init__(self):
+    self._last_end: float | None = None
+    self._excluded_s = 0.0  # blocked and compiling, by the end of the last step
+
+  def lap(self, start: float, end: float, blocked_s: float) -> float:
+    """The pace in seconds of the step that ended at `end`, given the learner's blocked time so far. The
+    first lap is the whole first step from its `start`, compilation included (`Comms.report_step_time`
+    leaves it out)."""
+    excluded = blocked_s + compile_seconds()
+    first = self._last_end is None
+    pace = end - start if first else max(0.0, end - self._last_end - (excluded - self._excluded_s))
+    self._last_end, self._excluded_s = end, excluded
+    return pace

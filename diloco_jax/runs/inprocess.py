@@ -134,8 +134,7 @@ class CoreSource:
     return int(status["counters"]["tokens_merged"]), list(status["versions"])
 
   def fetch(self) -> tuple[list[np.ndarray], list[int]]:
-    fragments = self.core.global_fragments()
-    return fragments, list(self.core.status()["versions"])
+    return self.core.global_model()
 
 
 def run(config, workdir: str, *, quiet: bool = False, export: bool = True, tape=None) -> dict:

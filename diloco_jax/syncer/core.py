@@ -280,8 +280,12 @@ class SyncerCore:
 
   def global_fragments(self) -> list[np.ndarray]:
     """Copies of the global fragments Theta (what the run trains)."""
+    return self.global_model()[0]
+
+  def global_model(self) -> tuple[list[np.ndarray], list[int]]:
+    """Copies of the global fragments and their versions, read together (a merge can land between calls)."""
     with self._lock:
-      return [f.global_vec.copy() for f in self._machine.state.fragments]
+      return [f.global_vec.copy() for f in self._machine.state.fragments], list(self._machine.state.versions)
 
   def rounds_closed(self) -> int:
     """Rounds closed so far over all fragments, in the history of the current model."""

@@ -61,3 +61,15 @@ def test_compile_seconds_counts_this_threads_compiles_and_not_anothers():
   thread.start()
   thread.join()
   assert seen[0] > 0 and pace.compile_seconds() - before == compiled
+
+
+def test_the_step_clock_leaves_out_waits_on_the_syncer_and_compilation():
+  clock = pace.StepClock()
+  assert clock.lap(10.0, 12.0, blocked_s=0.0) == 2.0  # the first step: all of it
+  assert clock.lap(12.5, 13.0, blocked_s=0.0) == pytest.approx(1.0)  # from the last end: work between steps
+  assert clock.lap(13.0, 16.0, blocked_s=2.5) == pytest.approx(0.5)  # 2.5 s blocked on the syncer left out
+  before = pace.compile_seconds()
+  jax.jit(lambda x: jnp.sin(x) * 5.0 - x)(jnp.ones((3, 17))).block_until_ready()  # compiles, this thread
+  compiled = pace.compile_seconds() - before
+  assert compiled > 0
+  assert clock.lap(16.0, 20.0, blocked_s=3.0) == pytest.approx(4.0 - 0.5 - compiled)
