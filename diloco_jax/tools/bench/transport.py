@@ -100,7 +100,7 @@ class _BenchCore:
     self.pushes += 1
     return PushReceipt(fragment=push.fragment, round=self.pushes, late=False)
 
-  def pull(self, fragment, min_version, timeout_s=0.0, have_version=-1, have_epoch=0):
+  def pull(self, fragment, min_version, timeout_s=0.0, have_version=-1, have_epoch=0, learner_id=None):
     return self._published[fragment]
 
   def status(self):
