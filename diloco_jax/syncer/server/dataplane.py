@@ -193,8 +193,8 @@ class DataPlaneServer:
       for conn, _ in due:
         del self._deadlines[conn]
     for conn, why in due:
+      _shut(conn)  # before the count: a counted close is one that happened (a request sent after it fails)
       self.gate.count(why)
-      _shut(conn)
 
   def _serve(self, raw: socket.socket, host: str) -> None:
     conn = raw
