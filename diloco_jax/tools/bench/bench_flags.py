@@ -27,7 +27,7 @@ def chaos(fv: flags.FlagValues) -> None:
                       flag_values=fv)
   flags.DEFINE_string("workdir", "runs/bench_chaos", "scratch directory", flag_values=fv)
   flags.DEFINE_string("diloco-reference", None, "reuse the undisturbed DiLoCo run of a `chaos` report.json "
-                      "(same config and learners)", flag_values=fv)
+                      "or a `bench chaos` bench_chaos.json (same config and learners)", flag_values=fv)
   flags.DEFINE_integer("repeats", 20, "simulator repeats", flag_values=fv)
   flags.DEFINE_float("timeout-s", 3600.0, "give up on a run after this long", flag_values=fv)
 

@@ -243,6 +243,10 @@ def bench_chaos(argv) -> int:
       f"first events: " + "; ".join(f"{e.at_s:.0f}s {e.describe()}" for e in events[:6]))
   if fv["diloco-reference"].value:
     dl_ref = json.loads(pathlib.Path(fv["diloco-reference"].value).read_text())["reference_run"]
+    if dl_ref.get("steps") != config.train.steps or dl_ref.get("learners") != learners:
+      raise cli.UsageError(f"--diloco-reference {fv['diloco-reference'].value}: its undisturbed run trained "
+                           f"{dl_ref.get('learners')} learners for {dl_ref.get('steps')} steps, this one "
+                           f"{learners} for {config.train.steps}")
   else:
     say("bench chaos: Decoupled DiLoCo, undisturbed")
     dl_ref = chaos_job.run_job(config, config_argv, root / "diloco_reference", "bench", [], say=say,
@@ -264,6 +268,7 @@ def bench_chaos(argv) -> int:
   sims = sim_configs(config, learners, mtbf, dp, dl, dl_ref, dp_ref, repair)
   predicted = {k: sim_goodput.simulate(cfg, repeats=fv.repeats, seed=fv.seed) for k, cfg in sims.items()}
   result = _result(config, events, dl, dl_ref, dp, dp_ref, sims, predicted, mtbf=mtbf, repair=repair)
+  result["reference_run"] = chaos_job.summary(dl_ref)  # so a later run can reuse it (--diloco-reference)
   (root / "bench_chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
   _print_result(result)
   print(f"bench chaos: {root / 'bench_chaos.json'}")

@@ -35,6 +35,9 @@ class Bench:
   argv: tuple[str, ...]
   figures: Callable[[object], dict]
   long: bool = False  # only with --benches all (or named)
+  # Arguments for repeat k (0-based): a seeded bench's repeats are seeds, so a spread covers seeds as well as
+  # the machine's noise.
+  per_repeat: Callable[[int], tuple[str, ...]] = lambda k: ()
 
 
 def _syncer(result) -> dict:
@@ -53,6 +56,31 @@ def _wan(result) -> dict:
   return {f"{r['mode']}_util": r["compute_utilization"] for r in result["rows"]}
 
 
+def _hetero(result) -> dict:
+  rows = result["rows"]
+  out = {f"{k}_goodput": v["goodput"] for k, v in rows.items()}
+  if "all" in rows:
+    out.update({f"{k}_loss_vs_k_all": v["eval_loss"] / rows["all"]["eval_loss"] for k, v in rows.items() if k != "all"})
+  return out
+
+
+def _chaos(result) -> dict:
+  return {"ratio": result["ratio"], "diloco_goodput": result["diloco"]["goodput"],
+          "diloco_predicted": result["diloco"]["predicted"], "dp_goodput": result["dp"]["goodput"],
+          "dp_predicted": result["dp"]["predicted"]}
+
+
+CHAOS_DIR = "runs/bench_suite_chaos"
+
+
+def _chaos_repeat(k: int) -> tuple[str, ...]:
+  """Repeat k is failure seed k in a workdir of its own; from the second on it reuses the first repeat's
+  undisturbed Decoupled DiLoCo run (the schedule does not touch it: 3 to 4 minutes saved per repeat)."""
+  first = REPO / CHAOS_DIR / "seed0" / "bench_chaos.json"
+  reuse = (f"--diloco-reference={first}",) if k > 0 and first.exists() else ()
+  return (f"--seed={k}", f"--workdir={CHAOS_DIR}/seed{k}", *reuse)
+
+
 def _wan_paper(result) -> dict:
   return {f"{r['mode']}@{r['latency_ms']:g}ms_util": r["compute_utilization"] for r in result["rows"]}
 
@@ -64,11 +92,11 @@ BENCHES = (
     Bench("overhead", ("overhead", "--config=configs/small_cpu.py"), lambda r: {"ratio": r["ratio"]}),
     Bench("wan", ("wan", "--config=configs/tiny_cpu.py"), _wan),
     Bench("wan-paper", ("wan", "--config=configs/tiny_cpu.py", "--paper-link"), _wan_paper),
-    Bench("hetero", ("hetero", "--config=configs/tiny_cpu.py"),
-          lambda r: {f"{k}_goodput": v["goodput"] for k, v in r["rows"].items()}, long=True),
-    Bench("chaos", ("chaos", "--config=configs/tiny_cpu.py", "--workdir=runs/bench_suite_chaos"),
-          lambda r: {"ratio": r["ratio"], "diloco_goodput": r["diloco"]["goodput"], "dp_goodput": r["dp"]["goodput"]},
-          long=True),
+    Bench("hetero", ("hetero", "--config=configs/tiny_cpu.py"), _hetero, long=True,
+          per_repeat=lambda k: (f"--config.seed={k}",)),
+    # 1,500 steps draw 10 to 20 failures per strategy at one every 15 s (tiny_cpu's own 60 steps: one or two).
+    Bench("chaos", ("chaos", "--config=configs/tiny_cpu.py", "--config.train.steps=1500"), _chaos, long=True,
+          per_repeat=_chaos_repeat),
 )
 
 
@@ -102,11 +130,12 @@ def _json_of(stdout: str):
   return json.loads(stdout[min(starts):]) if starts else None
 
 
-def run_once(bench: Bench, timeout_s: float) -> dict:
-  """One run of `bench` in a child process: its figures, raw result, wall time and load around it."""
+def run_once(bench: Bench, timeout_s: float, repeat: int = 0) -> dict:
+  """Repeat `repeat` of `bench` in a child process: its figures, raw result, wall time and load around it."""
   env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                                      " --xla_force_host_platform_device_count=8").strip()}
-  cmd = [sys.executable, "-m", "diloco_jax", "bench", *bench.argv] + ([] if bench.name == "chaos" else ["--json"])
+  cmd = ([sys.executable, "-m", "diloco_jax", "bench", *bench.argv, *bench.per_repeat(repeat)]
+         + ([] if bench.name == "chaos" else ["--json"]))
   load0, t0 = os.getloadavg(), time.monotonic()
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
   run = {"command": " ".join(cmd[1:]), "rc": proc.returncode, "wall_s": time.monotonic() - t0,
@@ -114,7 +143,7 @@ def run_once(bench: Bench, timeout_s: float) -> dict:
   if proc.returncode != 0:
     return {**run, "error": proc.stderr[-2000:]}
   try:
-    raw = (json.loads((REPO / "runs/bench_suite_chaos/bench_chaos.json").read_text()) if bench.name == "chaos"
+    raw = (json.loads((REPO / CHAOS_DIR / f"seed{repeat}" / "bench_chaos.json").read_text()) if bench.name == "chaos"
            else _json_of(proc.stdout))
     return {**run, "figures": bench.figures(raw), "raw": raw}
   except (ValueError, KeyError, TypeError, OSError) as e:
@@ -149,7 +178,7 @@ def bench_suite(argv) -> int:
     for k in range(fv.repeats):
       print(f"bench suite: {bench.name} ({k + 1}/{fv.repeats}), load {os.getloadavg()[0]:.1f}", file=sys.stderr,
             flush=True)
-      runs.append(run_once(bench, fv["timeout-s"].value))
+      runs.append(run_once(bench, fv["timeout-s"].value, k))
       doc["benches"][bench.name] = {"runs": runs, "spread": spread(runs)}
       out.write_text(json.dumps(doc, indent=1, default=str) + "\n")  # what is done so far survives an interrupt
   doc["load_avg_end"] = os.getloadavg()

@@ -70,7 +70,7 @@ def run_chaos(argv) -> int:
   report = run(workdir=workdir / "chaos", events=events, reference=reference)
   report["seed"] = fv.seed
   report["checks"] = verdict(config, report)
-  report["reference_run"] = {k: v for k, v in reference.items() if k not in ("events", "timeline")}
+  report["reference_run"] = job_lib.summary(reference)
   (workdir / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
   report_lib.plot_timeline(report, workdir / "timeline.png", config.outer.num_fragments)
   print(report_lib.format_report(config, report))

@@ -227,6 +227,11 @@ class _Job:
       self._note(f"syncer restarted on port {port} (same workdir)", action)
 
 
+def summary(report: dict) -> dict:
+  """A run's report without its event log and timeline: what a later run needs of it as its reference."""
+  return {k: v for k, v in report.items() if k not in ("events", "timeline")}
+
+
 def run_job(config, config_argv, workdir: pathlib.Path, run_id: str, events: list[Event], *, say,
             timeout_s: float, reference: dict | None, evaluate: bool = True, eval_batches: int = 0) -> dict:
   """Run the job under `events` in `workdir` and return its report (beside `reference`, if given). The

@@ -1,7 +1,9 @@
 """`bench chaos`: Poisson failures, and the simulator configs of a shipped config."""
 
+import json
 
 import numpy as np
+import pytest
 
 from diloco_jax.tools.bench import chaos as bench_chaos
 from diloco_jax.tools.chaos import job as chaos_job
@@ -30,3 +32,15 @@ def test_simulator_configs_of_the_shipped_config(tiny_config):
   for cfg in sims.values():
     result = sim_goodput.simulate(cfg, repeats=1, seed=0)
     assert 0.0 < result.goodput <= 1.0
+
+
+def test_a_reused_reference_of_another_budget_is_refused_before_anything_runs(tmp_path, capsys):
+  reference = tmp_path / "bench_chaos.json"
+  reference.write_text(json.dumps({"reference_run": {"steps": 3000, "learners": 6}}))
+  with pytest.raises(SystemExit) as e:
+    bench_chaos.bench_chaos(["bench chaos", "--config=configs/tiny_cpu.py", "--config.train.steps=1500",
+                             f"--diloco-reference={reference}", f"--workdir={tmp_path / 'w'}"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--diloco-reference" in err and "3000 steps" in err and "1500" in err
+  assert not (tmp_path / "w" / "diloco").exists()

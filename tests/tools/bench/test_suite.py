@@ -36,3 +36,18 @@ def test_a_run_writes_figures_with_commit_date_and_load(tmp_path, monkeypatch, c
   spread = doc["benches"]["syncer"]["spread"]["fused_params_per_core_s"]
   assert spread["n"] == 1 and spread["min"] == spread["max"] == runs[0]["figures"]["fused_params_per_core_s"] > 0
   assert runs[0]["raw"]["params"] == 20000 and "fused_params_per_core_s" in capsys.readouterr().out
+
+
+def test_seeded_benches_run_one_seed_per_repeat_and_chaos_reuses_its_first_reference(tmp_path, monkeypatch):
+  monkeypatch.setattr(suite, "REPO", tmp_path)
+  by_name = {b.name: b for b in suite.BENCHES}
+  assert [by_name["hetero"].per_repeat(k) for k in range(3)] == [(f"--config.seed={k}",) for k in range(3)]
+  chaos = by_name["chaos"]
+  assert "--config.train.steps=1500" in chaos.argv
+  assert chaos.per_repeat(0) == ("--seed=0", f"--workdir={suite.CHAOS_DIR}/seed0")
+  assert chaos.per_repeat(1) == ("--seed=1", f"--workdir={suite.CHAOS_DIR}/seed1")  # no first run yet
+  first = tmp_path / suite.CHAOS_DIR / "seed0" / "bench_chaos.json"
+  first.parent.mkdir(parents=True)
+  first.write_text("{}")
+  assert chaos.per_repeat(2)[2] == f"--diloco-reference={first}"
+  assert chaos.per_repeat(0) == ("--seed=0", f"--workdir={suite.CHAOS_DIR}/seed0")  # the first never reuses
