@@ -44,10 +44,11 @@ def compile_seconds() -> float:
   and a step time inflated by them made the syncer's grace window plan for steps 5-10x too long for the
   first rounds, so a fast learner's sync came back after the fragment was due again and it waited."""
   global _listener_registered
-  with _listening:
-    if not _listener_registered:
-      jax.monitoring.register_event_duration_secs_listener(_on_duration)
-      _listener_registered = True
+  if not _listener_registered:  # checked again under the lock: the step path takes no lock once registered
+    with _listening:
+      if not _listener_registered:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _listener_registered = True
   return getattr(_compiling, "seconds", 0.0)
 
 
