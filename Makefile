@@ -56,7 +56,8 @@ test-cloud: $(STAMP)
 	  tests/process/test_launch_hosts.py
 
 # The headline benchmarks, one after the other, into one JSON file of figures with the commit, date and load
-# (`bench suite`): `make bench REPEATS=3`, `make bench BENCHES=all` (adds hetero and chaos), BENCHES=wan,syncer.
+# (`bench suite`): `make bench REPEATS=3`, `make bench BENCHES=all` (adds hetero and chaos, whose repeats are
+# seeds), BENCHES=wan,syncer.
 REPEATS ?= 1
 BENCHES ?=
 bench: $(STAMP)

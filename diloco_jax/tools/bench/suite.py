@@ -4,7 +4,8 @@ and one JSON file of their figures: the commit (and whether the tree was dirty),
 load average before and after each run, every run's headline figures (`figures`) and raw result, and each
 figure's spread (min, median, max). docs/benchmarks.md's tables cite it; `sim syncer --bench-syncer FILE`
 reads its merge rates. By default the quick ones (minutes); `--benches all` adds hetero and chaos (tens
-of minutes each). Run one at a time on a quiet machine: they time themselves against the machine.
+of minutes each), whose repeats are seeds (`Bench.per_repeat`). Run one at a time on a quiet machine: they
+time themselves against the machine.
 """
 
 from __future__ import annotations
