@@ -68,7 +68,8 @@ def _hetero(result) -> dict:
 def _chaos(result) -> dict:
   return {"ratio": result["ratio"], "diloco_goodput": result["diloco"]["goodput"],
           "diloco_predicted": result["diloco"]["predicted"], "dp_goodput": result["dp"]["goodput"],
-          "dp_predicted": result["dp"]["predicted"]}
+          "dp_predicted": result["dp"]["predicted"],
+          **{f"{k}_predicted_at_applied_rate": result[k].get("predicted_at_applied_rate") for k in ("diloco", "dp")}}
 
 
 CHAOS_DIR = "runs/bench_suite_chaos"

@@ -44,3 +44,21 @@ def test_a_reused_reference_of_another_budget_is_refused_before_anything_runs(tm
   err = capsys.readouterr().err
   assert "--diloco-reference" in err and "3000 steps" in err and "1500" in err
   assert not (tmp_path / "w" / "diloco").exists()
+
+
+def test_the_prediction_at_the_failure_rate_a_run_took_is_the_simulator_at_that_rate(tiny_config):
+  """Failures drawn for a target already down are skipped: fewer taken than drawn gives a longer mean time
+  between them and a higher simulated goodput than the nominal one; a run that took none gets no figure."""
+  chaos_job.chaos_config_argv(tiny_config, [], 6)  # sets the checkpoint interval a chaos run uses
+  sims = bench_chaos.sim_configs(
+      tiny_config, 6, 15.0, dp={"restart_cost_s": 3.0}, diloco={"learner_restart_cost_s": 5.0},
+      diloco_ref={"step_time_s": 0.1}, dp_ref={"window_s": 100.0, "steps_in_window": 1000}, repair_s=10.0)
+  result = {"learners": 6, "diloco": {"provisioned_learner_s": 6 * 180.0, "failures": 6},
+            "dp": {"window_s": 300.0, "failures": 10}}
+  assert bench_chaos.applied_mtbf_s(result) == {"diloco": 30.0, "dp": 30.0}
+  at_applied = bench_chaos.predicted_at_applied_rate(sims, result, repeats=3, seed=0)
+  for k in ("diloco", "dp"):
+    nominal = sim_goodput.simulate(sims[k], repeats=3, seed=0).goodput
+    assert at_applied[k] > nominal
+  result["dp"]["failures"] = 0
+  assert bench_chaos.predicted_at_applied_rate(sims, result, repeats=1, seed=0)["dp"] is None
