@@ -4,8 +4,7 @@ DiLoCo beside data-parallel, beside what the simulator predicts for both.
     python -m diloco_jax bench chaos --config configs/tiny_cpu.py --learners 6 --seed 0 \
         --mtbf-s 15 --repair-s 10 --min-step-s 0.1 [--config.train.steps=3000] [--workdir runs/bench_chaos]
 
-(3,000 steps of tiny_cpu draw about 20 failures per strategy, 1,500 (`make bench`'s) 7 to 30; four runs,
-about 30 and 14 to 21 minutes on 2 cores. `--diloco-reference` reuses an undisturbed run of the same budget.)
+(3,000 steps draw about 20 failures per strategy, 1,500 (`make bench`'s) 7 to 30: four runs in 30 / 14-21 min.)
 
 The schedule is the simulator's failure model on the real processes (`failure_schedule`; `--schedule FILE`
 replaces it with any `chaos` schedule): a failure kills one Decoupled DiLoCo learner, the others go on; it
