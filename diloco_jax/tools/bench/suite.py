@@ -96,7 +96,7 @@ BENCHES = (
     Bench("wan-paper", ("wan", "--config=configs/tiny_cpu.py", "--paper-link"), _wan_paper),
     Bench("hetero", ("hetero", "--config=configs/tiny_cpu.py"), _hetero, long=True,
           per_repeat=lambda k: (f"--config.seed={k}",)),
-    # 1,500 steps draw 10 to 20 failures per strategy at one every 15 s (tiny_cpu's own 60 steps: one or two).
+    # 1,500 steps took 7 to 31 failures per strategy at one every 15 s (tiny_cpu's own 60 steps: one or two).
     Bench("chaos", ("chaos", "--config=configs/tiny_cpu.py", "--config.train.steps=1500"), _chaos, long=True,
           per_repeat=_chaos_repeat),
 )
