@@ -215,7 +215,7 @@ def sim_configs(config, learners: int, mtbf_s: float, dp: dict, diloco: dict, di
 
 def applied_mtbf_s(result: dict) -> dict[str, float | None]:
   """Seconds between the failures each strategy's run actually took (job-wide): a failure drawn for a
-  learner (data-parallel: the job) already down is skipped, so a run takes fewer than the schedule draws,
+  learner (data-parallel: the job) already down is skipped, so a run takes fewer than the schedule draws on average,
   the more so the longer a failure keeps its target down. Decoupled DiLoCo's window: its provisioned
   learner-seconds over the learners; data-parallel's: its first to last record."""
   windows = {"diloco": result["diloco"]["provisioned_learner_s"] / result["learners"],
