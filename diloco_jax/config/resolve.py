@@ -114,6 +114,7 @@ class OuterSpec(_Section):
   rda: bool
   staleness_beta: float
   codec: str
+  error_feedback: bool
   downlink_codec: str
   codec_block: int
   fragment_plan: str

@@ -114,6 +114,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "rda": _f(False, E),
         "staleness_beta": _f(0.0, E),  # late pushes weighted by (1 + staleness) ** -beta
         "codec": _f("int4", U),  # uplink: the learners' outer gradients
+        "error_feedback": _f(False, E),  # a push carries what the last one's codec rounded away (outer/feedback.py)
         "downlink_codec": _f("fp32", E),  # the global fragments sent back
         "codec_block": _f(64, E),
         "fragment_plan": _f("strided", E),

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from diloco_jax.outer import codec as codec_lib
+from diloco_jax.outer import feedback as feedback_lib
 from diloco_jax.protocol.interfaces import Transport
 from diloco_jax.protocol.messages import Kind, Published, Push, PushReceipt, Versions
 from diloco_jax.protocol.reasons import REJOIN_REASONS, Reason, Rejected
@@ -74,13 +75,14 @@ class Comms:
 
   def __init__(self, transport: Transport, learner_id: int, fingerprint: str, *, codec: str, downlink_codec: str,
                block: int, sizes: tuple[int, ...], max_in_flight: int, heartbeat_s: float,
-               pull_timeout_s: float = 0.5, step_group: int = 8):
+               pull_timeout_s: float = 0.5, step_group: int = 8, error_feedback: bool = False):
     self.transport = transport
     self._step_group = max(1, int(step_group))
     self.learner_id = learner_id
     self.fingerprint = fingerprint
     self.codec, self.downlink_codec, self.block, self.sizes = codec, downlink_codec, block, sizes
     self.pull_timeout_s = pull_timeout_s
+    self.feedback = feedback_lib.ErrorFeedback(codec, block) if error_feedback else None
     # Reported by the inner loop, read by the heartbeat thread.
     self._group_means: collections.deque[float] = collections.deque(maxlen=_STEP_GROUPS)
     self._group_s, self._group_steps = 0.0, 0  # the current group's seconds and steps
@@ -278,7 +280,10 @@ class Comms:
   def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
     vec = to_host(delta)  # waits for the device->host copy, on this thread only
     del delta
-    payload = codec_lib.encode(vec, self.codec, self.block)
+    if self.feedback is not None:
+      payload = self.feedback.encode(fragment, vec)
+    else:
+      payload = codec_lib.encode(vec, self.codec, self.block)
     with self._lock:
       sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,

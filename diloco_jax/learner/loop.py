@@ -99,7 +99,7 @@ class Learner:
         transport, learner_id, fingerprint, codec=outer.codec, downlink_codec=outer.downlink_codec,
         block=outer.codec_block, sizes=tuple(self.plan.size(p) for p in range(n)),
         max_in_flight=self.max_in_flight, heartbeat_s=config.outer.heartbeat_s,
-        step_group=max(8, config.train.log_every))
+        step_group=max(8, config.train.log_every), error_feedback=outer.error_feedback)
     self.step_clock = pace_lib.StepClock()  # the step time reported to the syncer
     # The steps dispatched but maybe not run yet: at most max(1, tau) (`train_step`).
     self._dispatched: collections.deque = collections.deque()

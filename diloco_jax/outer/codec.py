@@ -1,4 +1,4 @@
-"""Flat float32 vectors <-> bytes: fp32, bf16, and block-quantized int8 / int4, with checksums.
+"""Flat float32 vectors <-> bytes: fp32, bf16, and block-quantized int8 / int4 / int2, with checksums.
 
 Formats (`n` elements, `block` elements per block, `nb = ceil(n / block)` blocks; byte layouts: `encode`):
 
@@ -7,6 +7,8 @@ Formats (`n` elements, `block` elements per block, `nb = ceil(n / block)` blocks
 * `int8`: symmetric absmax quantization per block, `scale = absmax(block) / 127`, q in [-127, 127]:
   nb * block codes, then nb float32 scales. |err| <= scale / 2 per element.
 * `int4`: the same with `scale = absmax(block) / 7`, q in [-7, 7], two codes per byte.
+* `int2`: the same with `scale = absmax(block)`, q in [-1, 1] (ternary), four codes per byte; coarse: meant
+  for outer gradients with error feedback (`ErrorFeedback`), which carries what a push rounds away.
 
 The bounds in full (subnormal, tiny and near-overflow values): docs/algorithm.md, "Codecs", and
 `error_bound`. Non-finite inputs are not rejected here; the receiver's finiteness check (`finite`) catches
@@ -24,7 +26,7 @@ from diloco_jax.outer import chunked
 from diloco_jax.outer import codec_kernels as kernels
 from diloco_jax.outer.codec_kernels import Encoded
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 # Float32 rounding in x * (qmax / absmax) and q * scale moves the result by a few ulps; the bound allows it.
 _ROUNDING_SLACK = 2.0**-12
 
@@ -48,8 +50,7 @@ def encoded_size(size: int, codec: str, block: int = 64) -> int:
   if codec == "bf16":
     return 2 * size
   nb = kernels.num_blocks(size, block)
-  codes = nb * block if codec == "int8" else -(-nb * block // 2)
-  return codes + 4 * nb
+  return -(-nb * block // kernels.CODES_PER_BYTE[codec]) + 4 * nb
 
 
 def _blocks(vec: np.ndarray, block: int) -> np.ndarray:
@@ -102,6 +103,9 @@ def encode(vec: np.ndarray, codec: str, block: int = 64, *, threads: int = 1) ->
   * `int4`: `scale = absmax(block) / 7` and q in [-7, 7], stored as the nibble q + 8, two per byte (element
     2i in the low nibble of byte i, 2i + 1 in the high nibble): ceil(nb * block / 2) bytes of codes, then nb
     float32 scales. |err| <= scale / 2 per element (same slack).
+  * `int2`: `scale = absmax(block)` and q in [-1, 1], stored as 2-bit fields q + 2, four per byte (element
+    4i + k in bits 2k and 2k + 1 of byte i): ceil(nb * block / 4) bytes of codes, then nb float32 scales.
+    |err| <= scale / 2 per element (same slack).
 
   A block of zeros has scale 0 and decodes to exact zeros. A block whose largest magnitude is tiny (below
   2^-112, where qmax / absmax would overflow float32 or the scale is subnormal) is quantized in float64
@@ -177,13 +181,13 @@ def finite(enc: Encoded, *, threads: int = 1) -> bool:
                            kernels.CHUNK_ELEMS, threads))
   if not np.isfinite(enc.scales).all():
     return False
-  largest_code = 128 if enc.codec == "int8" else 8  # what a hostile payload's codes can reach
+  largest_code = {"int8": 128, "int4": 8, "int2": 2}[enc.codec]  # what a hostile payload's codes can reach
   risky = np.flatnonzero(np.abs(enc.scales) > np.finfo(np.float32).max / largest_code)
   buf = np.empty(kernels.scratch_elems(enc.block), np.float32)
   for b in risky:
     start = int(b) * enc.block
     stop = min(start + enc.block, enc.size)
-    if enc.codec == "int4" and start % 2:  # an int4 range starts on a byte: take the block before too
+    while start % kernels.CODES_PER_BYTE[enc.codec]:  # a range starts on a byte: take blocks before too
       start -= enc.block
     seg = np.empty(stop - start, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # overflowing to inf is what we look for
@@ -211,9 +215,11 @@ def sum_squares(enc: Encoded, *, threads: int = 1) -> float:
 @functools.cache
 def _squares_table(codec: str) -> np.ndarray:
   """float32[65536]: for each little-endian uint16 word of a quantized payload's codes, the sum of its
-  codes' squares (int4: four codes, q = nibble - 8; int8: two)."""
+  codes' squares (int2: eight codes, q = field - 2; int4: four, q = nibble - 8; int8: two)."""
   word = np.arange(1 << 16, dtype=np.int64)
-  if codec == "int4":
+  if codec == "int2":
+    codes = [((word >> (2 * k)) & 3) - 2 for k in range(8)]
+  elif codec == "int4":
     codes = [((word >> (4 * k)) & 15) - 8 for k in range(4)]
   else:
     codes = [((word >> (8 * k)) & 255 ^ 128) - 128 for k in range(2)]
@@ -227,7 +233,7 @@ def norm(enc: Encoded, *, threads: int = 1) -> float:
   chunk, added in float64; bf16 and blocks that do not hold whole code words: `sum_squares`."""
   if enc.codec == "fp32":
     return chunked.norm(enc.codes, threads=threads)
-  per_word = {"int4": 4, "int8": 2}.get(enc.codec)
+  per_word = {"int2": 8, "int4": 4, "int8": 2}.get(enc.codec)
   if per_word is None or enc.block % per_word:
     return float(np.sqrt(sum_squares(enc, threads=threads)))
   block = enc.block

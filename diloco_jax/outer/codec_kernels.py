@@ -15,7 +15,8 @@ import numpy as np
 
 from diloco_jax.outer import chunked
 
-QMAX = {"int8": 127, "int4": 7}  # the largest code magnitude of each quantized codec
+QMAX = {"int8": 127, "int4": 7, "int2": 1}  # the largest code magnitude of each quantized codec
+CODES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
 # Encoding and decoding go through the vector in chunks of about this many elements: their temporaries stay
 # in the cache whatever the fragment's size, so a learner's host memory is its fragments in flight, not a
 # multiple of them. (Tests turn it down to cross many chunk boundaries.)
@@ -44,8 +45,9 @@ def num_blocks(size: int, block: int) -> int:
 
 
 def chunk_elems(block: int) -> int:
-  """Elements per chunk: a whole, even number of blocks (so that int4 chunks start on a byte boundary)."""
-  return max(2, (CHUNK_ELEMS // block) // 2 * 2) * block
+  """Elements per chunk: a whole number of blocks, a multiple of 4 (so that int4 and int2 chunks start on a
+  byte boundary)."""
+  return max(4, (CHUNK_ELEMS // block) // 4 * 4) * block
 
 
 def scratch_elems(block: int) -> int:
@@ -128,6 +130,17 @@ def _codes_range(enc: Encoded, start: int, m: int, buf: np.ndarray) -> np.ndarra
   q = buf[:m]
   if enc.codec == "int8":
     np.copyto(q, enc.codes[start:start + m])
+  elif enc.codec == "int2":
+    # Byte b holds codes (b >> 2k) & 3 for k = 0..3, each q + 2.
+    nbytes = -(-m // 4)
+    half = buf.size // 2
+    quads = buf[half:half + nbytes].view(np.uint8)[:4 * nbytes].reshape(nbytes, 4)
+    packed = enc.codes[start // 4:start // 4 + nbytes]
+    for k in range(4):
+      np.right_shift(packed, 2 * k, out=quads[:, k])
+    quads &= 3
+    np.copyto(q, quads.reshape(-1)[:m])
+    q -= 2
   else:
     # Each byte b -> the code pair (b & 15, b >> 4) as the two bytes of a little-endian uint16
     # ((b << 4 | b) & 0x0F0F), so that the uint16 array read as bytes holds the codes in order.
@@ -171,6 +184,8 @@ def encode_range(x: np.ndarray, codec: str, block: int, start: int, out: np.ndar
     # NaN blocks get garbage codes, but their scale is NaN too.
     if codec == "int8":
       np.copyto(out[start:start + codes.size].view(np.int8), codes, casting="unsafe")
+    elif codec == "int2":
+      _pack_int2(codes, start, out, buf)
     else:
       _pack_int4(codes, start, out, buf)
 
@@ -233,3 +248,20 @@ def _pack_int4(codes: np.ndarray, start: int, out: np.ndarray, buf: np.ndarray) 
   np.right_shift(words, 4, out=packed)
   packed |= words
   np.copyto(out[start // 2:start // 2 + nbytes], packed, casting="unsafe")
+
+
+def _pack_int2(codes: np.ndarray, start: int, out: np.ndarray, buf: np.ndarray) -> None:
+  """The float32 codes (buf[:m], in [-1, 1]) as 2-bit fields q + 2, four per byte, into `out` from element
+  `start` on (element 4i + k in bits 2k..2k+1 of byte i). `codes` is overwritten."""
+  m = codes.size
+  half = buf.size // 2
+  codes += 2
+  nbytes = -(-m // 4)
+  fields = buf[half:half + nbytes].view(np.uint8)[:4 * nbytes]
+  np.copyto(fields[:m], codes, casting="unsafe")
+  fields[m:] = 2  # codes past the vector's end are zeros
+  quads = fields.reshape(nbytes, 4)
+  packed = out[start // 4:start // 4 + nbytes]
+  np.copyto(packed, quads[:, 0])
+  for k in range(1, 4):
+    packed |= quads[:, k] << np.uint8(2 * k)

@@ -158,3 +158,31 @@ def test_fetch_keeps_polling_until_the_version_arrives():
     assert published.version == 1 and vec.shape == (N,)
   finally:
     comms.close(leave=False)
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_int2_pushes_with_error_feedback_carry_what_the_codec_rounds_away(feedback):
+  """One learner pushes the same outer gradient g 20 times into a core that applies it as it comes (lr 1, no
+  momentum). Ternary int2 errs the same way on every push: without error feedback the global model drifts
+  from base - 20 g by 20 times that error; with it, by at most one residual (<= the block's absmax of g)."""
+  core = helpers.make_core((N,), codec="int2", block=BLOCK, k=1, lr=1.0, momentum=0.0)
+  comms = Comms(InProcessTransport(core), 0, FP, codec="int2", downlink_codec="fp32", block=BLOCK,
+                sizes=core.settings.sizes, max_in_flight=2, heartbeat_s=60.0, pull_timeout_s=0.2,
+                error_feedback=feedback)
+  base = core.global_fragments()[0].copy()
+  g = (np.random.default_rng(4).standard_normal(N) * 0.01).astype(np.float32)
+  try:
+    comms.join()
+    version = 0
+    for _ in range(20):
+      version = comms.sync(0, g, base_version=version, steps=10, tokens=640).result(timeout=30).version
+    assert version == 20 and comms.rejected == []
+  finally:
+    comms.close(leave=True)
+  drift = np.abs(core.global_fragments()[0].astype(np.float64) - (base - 20 * g.astype(np.float64))).max()
+  absmax = float(np.abs(g).max())
+  if feedback:
+    assert drift <= absmax * 1.001 + 1e-6
+    assert comms.feedback.residual_norm(0) > 0
+  else:
+    assert drift > 3 * absmax

@@ -35,7 +35,7 @@ def test_roundtrip_within_bound(name, block):
       np.testing.assert_array_equal(out[64:128], 0.0)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_quantized_error_is_not_trivially_zero(name):
   # The bound is tight enough to mean something: the error reaches a good part of it.
   vec = np.random.default_rng(2).standard_normal(4096).astype(np.float32)
@@ -44,7 +44,7 @@ def test_quantized_error_is_not_trivially_zero(name):
   assert 0.5 < ratio <= 1.0
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("magnitude", [1e-30, 3e-37, 1e-38, 1e-40, 1e-43, 1e-45])
 def test_tiny_blocks_stay_within_the_bound(name, magnitude):
   """Blocks whose largest magnitude is below ~1e-37 used to overflow qmax / absmax: every nonzero element
@@ -59,7 +59,7 @@ def test_tiny_blocks_stay_within_the_bound(name, magnitude):
   bound = codec.error_bound(vec, name, 64)
   assert (err <= bound).all(), float((err / bound).max())
   # And the bound is about half a step of the block's own scale, not the normal block's.
-  assert bound[64:].max() <= max(float(np.abs(vec[64:]).max()) / {"int8": 127, "int4": 7}[name], 2.0**-149)
+  assert bound[64:].max() <= max(float(np.abs(vec[64:]).max()) / {"int8": 127, "int4": 7, "int2": 1}[name], 2.0**-149)
 
 
 def test_bf16_rounds_to_nearest_even():
@@ -84,6 +84,8 @@ def test_sizes():
   assert codec.encoded_size(100, "int8", 64) == 2 * 64 + 2 * 4
   assert codec.encoded_size(100, "int4", 64) == 64 + 2 * 4
   assert codec.encoded_size(5, "int4", 5) == 3 + 4  # an odd number of codes rounds up to whole bytes
+  assert codec.encoded_size(100, "int2", 64) == 32 + 2 * 4
+  assert codec.encoded_size(5, "int2", 5) == 2 + 4  # four codes per byte, rounded up
 
 
 @pytest.mark.parametrize("name", codec.CODECS)
@@ -108,7 +110,7 @@ def test_unknown_codec():
     codec.encode(np.zeros(3, np.float32), "fp8")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("block", [64, 7])
 def test_chunked_coding_is_byte_identical_to_one_pass(fmt, block, monkeypatch):
   """Encoding in bounded chunks (what keeps host memory flat) changes no byte and no decoded value."""
@@ -133,7 +135,7 @@ def _reference_encode(vec, name, block):
     bits = vec.view(np.uint32).astype(np.uint64)
     top = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
     return top.tobytes()
-  qmax = 127 if name == "int8" else 7
+  qmax = {"int8": 127, "int4": 7, "int2": 1}[name]
   nb = -(-vec.size // block)
   blocks = np.zeros(nb * block, np.float32)
   blocks[:vec.size] = vec
@@ -147,6 +149,11 @@ def _reference_encode(vec, name, block):
   q = q.astype(np.int8).reshape(-1)
   if name == "int8":
     return q.tobytes() + scales.astype("<f4").tobytes()
+  if name == "int2":
+    fields = (q + 2).astype(np.uint8)
+    fields = np.append(fields, np.full(-fields.size % 4, 2, np.uint8)).reshape(-1, 4)
+    packed = fields[:, 0] | (fields[:, 1] << 2) | (fields[:, 2] << 4) | (fields[:, 3] << 6)
+    return packed.astype(np.uint8).tobytes() + scales.astype("<f4").tobytes()
   nibbles = (q + 8).astype(np.uint8)
   if nibbles.size % 2:
     nibbles = np.append(nibbles, np.uint8(0))
@@ -162,6 +169,10 @@ def _reference_decode(payload, name, size, block):
   scales = np.frombuffer(payload, "<f4", offset=len(payload) - 4 * nb)
   if name == "int8":
     q = np.frombuffer(payload, np.int8, count=nb * block).astype(np.float32)
+  elif name == "int2":
+    packed = np.frombuffer(payload, np.uint8, count=len(payload) - 4 * nb)
+    q = np.stack([(packed >> (2 * k)) & 3 for k in range(4)], axis=1).reshape(-1)[:nb * block].astype(np.float32)
+    q -= 2
   else:
     packed = np.frombuffer(payload, np.uint8, count=len(payload) - 4 * nb)
     q = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[:nb * block].astype(np.float32) - 8
@@ -215,9 +226,10 @@ def test_norm_without_decoding_is_the_decoded_norm(name, size, block, monkeypatc
   rng = np.random.default_rng(size + block)
   vec = (rng.standard_normal(size) * rng.uniform(0.01, 3.0)).astype(np.float32)
   payload = bytearray(codec.encode(vec, name, block))
-  if name in ("int8", "int4"):  # hostile padding: codes past `size` in the last block are no part of it
+  if name in ("int8", "int4", "int2"):  # hostile padding: codes past `size` in the last block are no part of it
     padded = -(-size // block) * block
-    first, last = (size, padded) if name == "int8" else (-(-size // 2), -(-padded // 2))
+    per_byte = {"int8": 1, "int4": 2, "int2": 4}[name]
+    first, last = -(-size // per_byte), -(-padded // per_byte)
     payload[first:last] = b"\x7f" * (last - first)
   payload = bytes(payload)
   decoded = codec.decode(payload, name, size, block).astype(np.float64)
@@ -240,21 +252,24 @@ def test_finite_catches_every_nonfinite_decode(name):
     assert not codec.finite(codec.parse(payload, name, vec.size))
 
 
-@pytest.mark.parametrize("name,largest", [("int8", -128), ("int4", 0)])
-def test_finite_catches_hostile_codes_beyond_float32(name, largest):
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_finite_catches_hostile_codes_beyond_float32(name):
   """A finite scale whose block holds a code the honest encoder never writes (-128 for int8, nibble 0 =
-  -8 for int4) can decode to -inf: `finite` looks at such blocks' values, not only at the scales."""
+  -8 for int4, field 0 = -2 for int2) can decode to -inf: `finite` looks at such blocks' values, not only
+  at the scales."""
   size = 256
   payload = bytearray(codec.encode(np.ones(size, np.float32), name))
   nb = size // 64
   scales = np.frombuffer(payload, "<f4", offset=len(payload) - 4 * nb).copy()
-  honest = 127 if name == "int8" else 7
+  honest = {"int8": 127, "int4": 7, "int2": 1}[name]
   scales[2] = np.finfo(np.float32).max / (honest + 0.5)  # finite, and honest codes x scale stay finite
   payload[len(payload) - 4 * nb:] = scales.tobytes()
   enc = codec.parse(bytes(payload), name, size)
   assert codec.finite(enc)  # honest codes only: every value finite
   if name == "int8":
     payload[2 * 64 + 5] = 0x80  # -128
+  elif name == "int2":
+    payload[(2 * 64 + 5) // 4] &= ~np.uint8(3 << 2)  # element 4i + 1's field 0: code -2
   else:
     payload[(2 * 64 + 5) // 2] &= 0xF0  # low nibble 0: code -8
   hostile = codec.parse(bytes(payload), name, size)
