@@ -121,12 +121,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
         # K; derived: 0 = learners.num (every live learner: the slowest gates every round).
         "min_quorum": _f(1, U),
         "scale_partial_rounds": _f(True, E),  # a round moves the model by the share of the work it holds
-        "grace_gamma": _f(0.5, E),
+        # 0.9: with phase alignment the aligned pushes land in one round (docs/benchmarks.md, "The quorum at
+        # equal speeds"); learners still never wait beyond it (< 1: the result is out before tau steps).
+        "grace_gamma": _f(0.9, E),
         "min_grace_s": _f(0.0, E),
         "max_grace_s": _f(5.0, E),
         # A learner moves its next sync of a fragment by this share of how late its push came after the
-        # others' (learner/phase.py; 0 = off: it measured no better, docs/benchmarks.md).
-        "phase_gain": _f(0.0, E),
+        # others' (learner/phase.py; 0 = off). Sync steps then depend on timing: a test that compares runs
+        # step for step turns it off.
+        "phase_gain": _f(0.5, E),
         "max_norm_ratio": _f(10.0, E),  # refuse an outer gradient > this x the learners' median norm (0 = off)
         # Derived: 0 = what the schedule needs, ceil(tau P / H) + 1 (`fragments.in_flight_limit`).
         "max_in_flight": _f(0, OP),

@@ -280,10 +280,8 @@ class Comms:
   def _sync_timed(self, fragment, delta, base_version, base_epoch, steps, tokens, sync_epoch) -> SyncResult:
     vec = to_host(delta)  # waits for the device->host copy, on this thread only
     del delta
-    if self.feedback is not None:
-      payload = self.feedback.encode(fragment, vec)
-    else:
-      payload = codec_lib.encode(vec, self.codec, self.block)
+    payload = (self.feedback.encode(fragment, vec) if self.feedback is not None
+               else codec_lib.encode(vec, self.codec, self.block))
     with self._lock:
       sequence = next(self._sequence)
     push = Push(learner_id=self.learner_id, fingerprint=self.fingerprint, fragment=fragment,

@@ -67,13 +67,15 @@ def test_a_fragment_due_again_waits_for_its_sync_and_counts_the_wait(tiny_config
   c = tiny_config
   c.learners.num, c.learners.devices = 2, 2
   c.outer.num_fragments, c.outer.sync_every, c.outer.tau = 1, 2, 1
-  c.outer.min_quorum, c.outer.lease_s, c.outer.stall_s = 2, 30.0, 1.5
+  # The stall bound must outlast steps 2 and 3 (they compile the snapshot and the step after it): at 1.5 s
+  # a loaded machine (4 steps in 10.7 s) passed it before step 4, and the learner hardly blocked.
+  c.outer.min_quorum, c.outer.lease_s, c.outer.stall_s = 2, 30.0, 4.0
   job = inprocess.InProcessRun(c, None, learner_ids=[0])
   learner = job.learners[0]
   try:
     learner.join()
     learner.train_step()  # step 1 (compiles)
-    job.core.join(1, job.fingerprint)  # the silent learner: it stops counting 1.5 s from now
+    job.core.join(1, job.fingerprint)  # the silent learner: it stops counting 4 s from now
     learner.train_step()  # step 2: snapshot; the round waits for learner 1
     learner.train_step()  # step 3: nothing has come back, nothing to adopt
     assert learner.stats.adopted == 0 and learner.stats.blocked_s == 0.0

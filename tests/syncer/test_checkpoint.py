@@ -13,7 +13,9 @@ FP = helpers.FP
 
 
 def make_core(sizes=(500, 200)):
-  return helpers.make_core(sizes, codec="int8", downlink="bf16", initial="linspace")
+  # A clock that stands still: on a loaded machine a real one let the stall bound (0.5 s here) pass between
+  # two pushes in one core and not in the other, and their `learner_stalls` counters differed.
+  return helpers.make_core(sizes, codec="int8", downlink="bf16", initial="linspace", clock=helpers.FakeClock())
 
 
 def push(core, fragment, base_version, scale):

@@ -24,7 +24,7 @@ def test_settings_from_config_and_status_is_json():
   s = settings_lib.SyncerSettings.from_spec(config_lib.resolve(cfg), plan, "fp")
   # The downlink defaults to fp32 (the weights themselves are never quantized for learners).
   assert s.sizes == (21, 9) and s.codec == "int8" and s.downlink_codec == "fp32" and s.block == 64
-  assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.5, min_grace_s=0.0, max_grace_s=5.0)
+  assert s.policy == QuorumPolicy(min_quorum=2, tau=2, gamma=0.9, min_grace_s=0.0, max_grace_s=5.0)
   assert (s.merge_rule, s.outer_lr, s.outer_momentum, s.lease_s) == ("tokens_sq_per_step", 0.7, 0.9, 30.0)
   cfg.outer.downlink_codec = "int4"
   assert settings_lib.SyncerSettings.from_spec(config_lib.resolve(cfg), plan, "fp").downlink_codec == "int4"
