@@ -232,16 +232,25 @@ def _quantize_range(x: np.ndarray, qmax: int, block: int, start: int, scales_out
   return xa
 
 
+def _fields(codes: np.ndarray, offset: int, per_byte: int, pad: int, buf: np.ndarray) -> tuple[np.ndarray, int]:
+  """The float32 codes (buf[:m]) plus `offset` as uint8 fields, one per code, padded with `pad` to whole
+  bytes of `per_byte` codes, in the second half of `buf`; and the packed length in bytes. `codes` is
+  overwritten."""
+  m = codes.size
+  half = buf.size // 2
+  codes += offset
+  nbytes = -(-m // per_byte)
+  fields = buf[half:half + nbytes].view(np.uint8)[:per_byte * nbytes]
+  np.copyto(fields[:m], codes, casting="unsafe")
+  fields[m:] = pad
+  return fields, nbytes
+
+
 def _pack_int4(codes: np.ndarray, start: int, out: np.ndarray, buf: np.ndarray) -> None:
   """The float32 codes (buf[:m], in [-7, 7]) as nibbles q + 8, two per byte, into `out` from element
   `start` on (element 2i in the low nibble of byte i). `codes` is overwritten."""
-  m = codes.size
   half = buf.size // 2
-  codes += 8
-  nbytes = -(-m // 2)
-  nibbles = buf[half:half + nbytes].view(np.uint8)[:2 * nbytes]
-  np.copyto(nibbles[:m], codes, casting="unsafe")
-  nibbles[m:] = 0  # an odd number of codes ends in a zero nibble
+  nibbles, nbytes = _fields(codes, 8, 2, 0, buf)  # an odd number of codes ends in a zero nibble
   # Code pairs (c0, c1) as little-endian uint16 words c0 + 256 c1 -> the bytes c0 | c1 << 4.
   words = nibbles.view(np.uint16)
   packed = buf[half + nbytes:half + 2 * nbytes].view(np.uint16)[:nbytes]
@@ -253,13 +262,7 @@ def _pack_int4(codes: np.ndarray, start: int, out: np.ndarray, buf: np.ndarray) 
 def _pack_int2(codes: np.ndarray, start: int, out: np.ndarray, buf: np.ndarray) -> None:
   """The float32 codes (buf[:m], in [-1, 1]) as 2-bit fields q + 2, four per byte, into `out` from element
   `start` on (element 4i + k in bits 2k..2k+1 of byte i). `codes` is overwritten."""
-  m = codes.size
-  half = buf.size // 2
-  codes += 2
-  nbytes = -(-m // 4)
-  fields = buf[half:half + nbytes].view(np.uint8)[:4 * nbytes]
-  np.copyto(fields[:m], codes, casting="unsafe")
-  fields[m:] = 2  # codes past the vector's end are zeros
+  fields, nbytes = _fields(codes, 2, 4, 2, buf)  # codes past the vector's end are zeros (field 2)
   quads = fields.reshape(nbytes, 4)
   packed = out[start // 4:start // 4 + nbytes]
   np.copyto(packed, quads[:, 0])
